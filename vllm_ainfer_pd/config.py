@@ -1,0 +1,53 @@
+"""The plugin's one typed config, read from vLLM's `--additional-config '{"ainfer_pd": {...}}'`.
+
+Invalid settings fail when the engine config is built (in the process that parses the CLI or calls
+`LLM(...)`), with a message that names the bad key or value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("pd", "normal")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class AInferPDConfig:
+    """`mode="pd"`: the product, P/D multiplexing on. `mode="normal"`: the same engine, kernels and
+    classes with P/D multiplexing off (the paper's matched baseline, for layouts stock vLLM cannot run).
+    """
+
+    mode: str = "pd"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"ainfer_pd.mode={self.mode!r} is not one of {', '.join(MODES)}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> AInferPDConfig:
+        raw = dict(raw or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown ainfer_pd option(s) {', '.join(map(repr, unknown))}; "
+                f"known options: {', '.join(known)}"
+            )
+        for name, value in raw.items():
+            expected = type(known[name].default)
+            if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
+                raise ConfigError(
+                    f"ainfer_pd.{name}={value!r} must be of type {expected.__name__}"
+                )
+        return cls(**raw)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> AInferPDConfig:
+        additional = vllm_config.additional_config or {}
+        return cls.from_dict(additional.get("ainfer_pd"))

