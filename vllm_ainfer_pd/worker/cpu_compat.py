@@ -99,12 +99,32 @@ def _with_local_expert_ids(stock_call):
             scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias,
         )
-        local_ids = expert_map[topk_ids.long()]
-        is_local = local_ids >= 0
+        local_ids = _local_expert_ids(expert_map, topk_ids)
+        is_local = expert_map[topk_ids.long()] >= 0
         topk_weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
-        local_ids = torch.where(is_local, local_ids, torch.zeros_like(local_ids)).to(topk_ids.dtype)
         return self.forward_method(layer, x, topk_weights, local_ids, activation,
                                    global_num_experts, apply_router_weight_on_input)
 
     call.__wrapped__ = stock_call
     return call
+
+
+def _local_expert_ids(expert_map: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Map global expert ids to local ones. A slot whose expert lives on another rank gets a local
+    expert that the row does not use yet (its weight is zeroed by the caller): the CPU kernel counts
+    tokens per expert with a scatter, so a row must never name the same expert twice."""
+    num_local = int((expert_map >= 0).sum())
+    tokens, top_k = topk_ids.shape
+    if num_local < top_k:
+        raise ValueError(f"CPU expert parallelism needs at least top_k={top_k} experts per rank, "
+                         f"this rank has {num_local}")
+    mapped = expert_map[topk_ids.long()]
+    is_local = mapped >= 0
+    used = torch.zeros(tokens, num_local, dtype=torch.bool, device=topk_ids.device)
+    rows = torch.arange(tokens, device=topk_ids.device)[:, None].expand(tokens, top_k)
+    used[rows[is_local], mapped[is_local]] = True
+    free_rank = (~used).long().cumsum(1) - 1  # j-th unused local expert of each row has rank j
+    slot_rank = (~is_local).long().cumsum(1) - 1  # j-th remote slot of each row takes rank j
+    pick = (~used)[:, None, :] & (free_rank[:, None, :] == slot_rank[:, :, None])
+    filler = pick.long().argmax(-1)
+    return torch.where(is_local, mapped, filler).to(topk_ids.dtype)
