@@ -1,0 +1,66 @@
+"""The server's own counters over one replay, read from its Prometheus `/metrics` before and after.
+
+Two families: the ainfer_pd backend's (`vllm_ainfer_pd_*`: D wait, P wait-for-permit, segments per
+epoch, rendezvous time; present only when that backend exports them) and a few of vLLM's engine
+counters that every backend has (preemptions, prompt tokens computed vs served from the prefix
+cache). Series are summed over their labels (engines, ranks): the paper reports rank-aggregated
+totals. Counters and histogram sums/counts are reported as after - before; gauges as after.
+Nothing is invented: a metric the server does not export is absent from the result.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+PREFIX = "vllm_ainfer_pd_"
+ENGINE = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+          "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total")
+_ACCUMULATING = ("_total", "_sum", "_count")
+
+
+def parse(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets}, for PREFIX and ENGINE names
+    (histogram buckets and `_created` timestamps left out)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if not (name.startswith(PREFIX) or name in ENGINE):
+            continue
+        if name.endswith(("_bucket", "_created")):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
+    """`parse` of the server's /metrics; None if the endpoint cannot be read."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            return parse(r.read().decode(errors="replace"))
+    except OSError:
+        return None
+
+
+def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """What the replay added: after - before for counters, after for gauges; `<hist>_mean` for
+    every histogram with both a sum and a count that moved."""
+    if after is None:
+        return {}
+    before = before or {}
+    out = {name: value - before.get(name, 0.0) if name.endswith(_ACCUMULATING) else value
+           for name, value in after.items()}
+    for name in list(out):
+        if name.endswith("_sum") and out.get(name[:-4] + "_count"):
+            out[name[:-4] + "_mean"] = out[name] / out[name[:-4] + "_count"]
+    return out
+
+
+def backend_only(counters: dict[str, float]) -> dict[str, float]:
+    """The `vllm_ainfer_pd_*` part of `delta`'s result (empty: the backend exports none)."""
+    return {k: v for k, v in counters.items() if k.startswith(PREFIX)}

@@ -1,0 +1,169 @@
+"""Comparison driver: the same trace against stock `vllm serve` and the ainfer_pd backend.
+
+Every backend gets identical flags (engine arguments and layout) except its own: stock none,
+`ainfer_pd` `--distributed-executor-backend ainfer_pd`, and each `--variant name=JSON` the
+ainfer_pd backend plus `--additional-config JSON`. Each server starts once, answers one short
+warm-up trajectory (first-request costs stay out of the numbers), then replays the trace `reps`
+times. Repetition r draws its increment ids from seed r, identical across backends, so every backend
+does the same work while no repetition can reuse another's prefix cache. A server that fails to
+start is reported as failed and the comparison goes on with the others.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_ainfer_pd.rollout import backend_metrics, report
+from vllm_ainfer_pd.rollout.metrics import summarize
+from vllm_ainfer_pd.rollout.replayer import ReplayConfig, ReplayError, replay
+from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn, dump_trace
+from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
+from vllm_ainfer_pd.testing.server import ServerError, VllmServer
+
+AINFER = ["--distributed-executor-backend", "ainfer_pd"]
+WARMUP = Trace((Trajectory("warmup", (Turn(64, 8), Turn(16, 8, 0.0))),))
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """`model`: a model folder. `platform`: "cpu" adds CPU_ENGINE_ARGS and cpu_env(tp * dp) to
+    every server; "gpu" adds `--seed 0` (and `--load-format dummy` for a config-only model).
+    `extra_args`: more `vllm serve` flags for every backend. `variants`: (name, additional-config
+    JSON) pairs run on the ainfer_pd backend."""
+
+    model: str
+    out: Path
+    platform: str = "cpu"
+    reps: int = 3
+    wait_scale: float = 1.0
+    tp: int = 1
+    dp: int = 1
+    enable_expert_parallel: bool = False
+    extra_args: tuple[str, ...] = ()
+    variants: tuple[tuple[str, str], ...] = ()
+    concurrency: int = 256
+    timeout_s: float = 600.0
+    progress: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.platform not in ("cpu", "gpu"):
+            raise ValueError(f"platform={self.platform!r} must be 'cpu' or 'gpu'")
+        if self.reps < 1:
+            raise ValueError(f"reps={self.reps} must be >= 1")
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"tp={self.tp} and dp={self.dp} must be >= 1")
+        names = ["stock", "ainfer_pd"] + [n for n, _ in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique, got {names}")
+        for name, raw in self.variants:
+            try:
+                json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"variant {name!r}: additional config {raw!r} is not JSON "
+                                 f"({e.msg})") from None
+
+    def backends(self) -> dict[str, list[str]]:
+        out = {"stock": [], "ainfer_pd": list(AINFER)}
+        for name, raw in self.variants:
+            out[name] = [*AINFER, "--additional-config", raw]
+        return out
+
+    def common_args(self) -> list[str]:
+        args = ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
+        args += ["--data-parallel-size", str(self.dp)] if self.dp > 1 else []
+        if self.enable_expert_parallel:
+            args.append("--enable-expert-parallel")
+        if self.platform == "cpu":
+            args = serve_args(CPU_ENGINE_ARGS) + args
+        else:
+            args = ["--seed", "0", *(["--load-format", "dummy"] if _config_only(self.model)
+                                     else [])] + args
+        return args + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        return cpu_env(self.tp * self.dp) if self.platform == "cpu" else {}
+
+
+def _config_only(model: str) -> bool:
+    """A generated model written without weights (models/generate.py, weights="dummy")."""
+    info = Path(model) / "ainfer_pd_preset.json"
+    return info.is_file() and json.loads(info.read_text())["preset"].get("weights") == "dummy"
+
+
+def _log(msg: str) -> None:
+    print(f"[rollout] {msg}", file=sys.stderr, flush=True)
+
+
+def run_backend(cfg: CompareConfig, trace: Trace, name: str, args: list[str]) -> dict[str, Any]:
+    """Start one server, warm it up, replay `reps` times; {"args", "runs", "error"}."""
+    result: dict[str, Any] = {"args": args, "runs": [], "error": None}
+    t = time.monotonic()
+    server = VllmServer(cfg.model, cfg.common_args() + args, cfg.env(), name=f"rollout-{name}")
+    try:
+        server.start()
+    except ServerError as e:
+        result["error"] = str(e).splitlines()[0]
+        _log(f"{name}: server failed to start: {result['error']} (log: {server.log_path})")
+        return result
+    try:
+        _log(f"{name}: server up at {server.url} in {time.monotonic() - t:.0f} s")
+        replay(WARMUP, ReplayConfig(server.url, id_seed=-1, progress=False))
+        for rep in range(cfg.reps):
+            before = backend_metrics.scrape(server.url)
+            res = replay(trace, ReplayConfig(server.url, wait_scale=cfg.wait_scale,
+                                             concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                                             id_seed=rep, progress=cfg.progress))
+            counters = backend_metrics.delta(before, backend_metrics.scrape(server.url))
+            summary = summarize(res.records)
+            result["runs"].append(_run(name, rep, res.records, summary, counters))
+            _write_records(cfg.out / "records" / f"{name}-{rep}.jsonl", res.records)
+            _log(f"{name} rep {rep}: makespan {summary['makespan_s']:.2f} s, "
+                 f"{summary['completed']}/{summary['requests']} completed")
+    except ReplayError as e:
+        result["error"] = str(e)
+        _log(f"{name}: {e}")
+    finally:
+        server.stop()
+        shutil.copy(server.log_path, cfg.out / f"server-{name}.log")
+    return result
+
+
+def _run(name: str, rep: int, records: list, summary: dict, counters: dict) -> dict[str, Any]:
+    by_traj: dict[str, list] = {}
+    for r in records:
+        by_traj.setdefault(r.trajectory, []).append(r)
+    traj = [max(r.end_s for r in rs) - min(r.release_s for r in rs)
+            for rs in by_traj.values() if all(r.ok for r in rs)]
+    return {"backend": name, "rep": rep, "summary": summary, "counters": counters,
+            "errors": sorted({r.error for r in records if r.error})[:5],
+            "request_completion_s": [r.end_s - r.submit_s for r in records if r.ok],
+            "trajectory_completion_s": traj}
+
+
+def _write_records(path: Path, records: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(vars(r)) + "\n" for r in records))
+
+
+def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path]]:
+    """Run every backend in turn; write and return the report and the paths written."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    dump_trace(trace, cfg.out / "trace.jsonl")
+    backends = {}
+    for name, args in cfg.backends().items():
+        backends[name] = run_backend(cfg, trace, name, args)
+    meta = {**cfg.meta, "model": cfg.model, "platform": cfg.platform, "reps": cfg.reps,
+            "wait_scale": cfg.wait_scale,
+            "layout": f"tp={cfg.tp} dp={cfg.dp} ep={'on' if cfg.enable_expert_parallel else 'off'}",
+            "common_flags": " ".join(cfg.common_args()),
+            "trace": {"trajectories": len(trace.trajectories), "requests": trace.num_requests,
+                      **{k: v for k, v in trace.meta.items() if isinstance(v, (str, int))}}}
+    rep = report.build(meta, backends)
+    return rep, report.write(rep, cfg.out)
