@@ -1,0 +1,124 @@
+"""Segment policies: how many boundary intervals (the span K) one turnstile round admits.
+
+A policy only chooses K. It never changes the order of anything: the same epoch checks, the same
+rendezvous sequence and the same permit arithmetic apply whatever K is. All ranks must obtain the
+same K in the same round (otherwise their P endpoints differ and their collectives mismatch), so a
+policy must be fed rank-shared load figures, e.g. ones derived from the DP-synchronised batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_ainfer_pd.turnstile.controller import validate_span
+
+
+@dataclass(frozen=True)
+class Load:
+    """Rank-shared load figures for one round.
+
+    `d_occupancy`: fraction of D batch slots in use, in [0, 1].
+    `p_pressure`: queued P work relative to its budget (e.g. queued P tokens / P token budget),
+    finite and >= 0; 1.0 means one full budget is waiting.
+    """
+
+    d_occupancy: float = 0.0
+    p_pressure: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_real("d_occupancy", self.d_occupancy)
+        _check_real("p_pressure", self.p_pressure)
+        if not 0.0 <= self.d_occupancy <= 1.0:
+            raise ValueError(f"d_occupancy must be in [0, 1], got {self.d_occupancy!r}")
+        if self.p_pressure < 0.0:
+            raise ValueError(f"p_pressure must be finite and >= 0, got {self.p_pressure!r}")
+
+
+class SegmentPolicy(abc.ABC):
+    """Chooses the span K (a positive int) for the next release."""
+
+    @abc.abstractmethod
+    def span(self, load: Load | None = None) -> int:
+        """K for the next round; `load` may be None for policies that ignore it."""
+
+
+@dataclass(frozen=True)
+class FixedSpan(SegmentPolicy):
+    """Always the same span `k` (>= 1)."""
+
+    k: int = 1
+
+    def __post_init__(self) -> None:
+        validate_span(self.k, what="k")
+        if math.isinf(self.k):
+            raise ValueError(f"k must be finite; use a global ordering mode instead, got {self.k!r}")
+
+    def span(self, load: Load | None = None) -> int:
+        return self.k
+
+
+@dataclass(frozen=True)
+class LoadSelectedSpan(SegmentPolicy):
+    """Pick K from validated spans by D occupancy and P pressure.
+
+    Rule, with the spans sorted `s_0 < s_1 < ... < s_m`:
+
+    - `d_occupancy >= d_high`: `s_0`, the smallest span. D is busy, so stop P often to keep D's
+      wait per round short.
+    - otherwise: score `= min(p_pressure / p_high, 1) * (1 - d_occupancy / d_high)` in [0, 1] and
+      K `= s_j` with `j = floor(score * m + 1/2)`. High P pressure with low D occupancy gives the largest
+      span (fewer rounds, less control overhead while D has little to protect); no P pressure gives
+      `s_0`.
+
+    K never increases with D occupancy and never decreases with P pressure. `spans` are the spans
+    validated for this backend and precision (the paper's selector picks among them).
+    """
+
+    spans: Sequence[int] = (1, 2, 4)
+    d_high: float = 0.75
+    p_high: float = 1.0
+
+    def __post_init__(self) -> None:
+        spans = tuple(self.spans)
+        if not spans:
+            raise ValueError("spans must name at least one span, got an empty sequence")
+        for s in spans:
+            validate_span(s, what="each span")
+            if math.isinf(s):
+                raise ValueError(f"each span must be finite, got {s!r}")
+        if len(set(spans)) != len(spans):
+            raise ValueError(f"spans must be distinct, got {spans!r}")
+        _check_real("d_high", self.d_high)
+        _check_real("p_high", self.p_high)
+        if not 0.0 < self.d_high <= 1.0:
+            raise ValueError(f"d_high must be in (0, 1], got {self.d_high!r}")
+        if not self.p_high > 0.0:
+            raise ValueError(f"p_high must be > 0, got {self.p_high!r}")
+        object.__setattr__(self, "spans", tuple(sorted(spans)))
+
+    def span(self, load: Load | None = None) -> int:
+        if load is None:
+            raise ValueError("LoadSelectedSpan needs a Load, got None")
+        spans = self.spans
+        if load.d_occupancy >= self.d_high:
+            return spans[0]
+        score = min(load.p_pressure / self.p_high, 1.0) * (1.0 - load.d_occupancy / self.d_high)
+        return spans[int(score * (len(spans) - 1) + 0.5)]
+
+
+def make_policy(kind: str, *, k: int = 1, spans: Sequence[int] = (1, 2, 4)) -> SegmentPolicy:
+    """`kind` is "fixed" (uses `k`) or "load" (uses `spans`)."""
+    if kind == "fixed":
+        return FixedSpan(k)
+    if kind == "load":
+        return LoadSelectedSpan(tuple(spans))
+    raise ValueError(f"unknown segment policy {kind!r}; choose 'fixed' or 'load'")
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
