@@ -14,6 +14,7 @@ far outside it.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -127,6 +128,15 @@ class LLMRunner:
                  for d in o.prompt_logprobs] for o in outs]
 
 
+    def worker_classes(self) -> list[str]:
+        """The class name of every rank's worker (proves which backend built the engine)."""
+        return self.llm.collective_rpc(_worker_class_name)
+
+
+def _worker_class_name(worker) -> str:
+    return type(worker).__name__
+
+
 class ServerRunner:
     """Generation and teacher forcing through `/v1/completions` with the OpenAI Python client."""
 
@@ -168,3 +178,23 @@ def run_waves(runner, waves: list[list[list[int]]], max_tokens: int) -> list[lis
     for wave in waves:
         outputs += runner.generate(wave, max_tokens)
     return outputs
+
+
+@contextmanager
+def offline_llm(model: str, tensor_parallel_size: int = 1, backend: str | None = None,
+                **engine_args):
+    """An `LLMRunner` over `vllm.LLM` with the harness's CPU settings; the engine is shut down on
+    exit so the next engine gets the cores. `backend=None` is stock vLLM."""
+    from vllm import LLM
+
+    from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, apply_cpu_env
+
+    apply_cpu_env(tensor_parallel_size)
+    args = {**CPU_ENGINE_ARGS, "tensor_parallel_size": tensor_parallel_size, **engine_args}
+    if backend is not None:
+        args["distributed_executor_backend"] = backend
+    llm = LLM(model=model, **args)
+    try:
+        yield LLMRunner(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,18 @@
+"""Fixtures shared by the whole suite: the generated tiny models (cached across runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_ainfer_pd.models import ensure_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return str(ensure_model("tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other_seed() -> str:
+    """Same shape, different random weights: a model whose tokens must NOT pass the parity bar."""
+    return str(ensure_model("tiny", seed=1))

@@ -1,0 +1,63 @@
+"""The embedded model generator: deterministic, self-contained, loadable by Hugging Face."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_ainfer_pd.models import PRESETS, write_model
+from vllm_ainfer_pd.models.generate import get_preset
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_same_seed_gives_identical_files(tmp_path, tiny_model):
+    write_model(PRESETS["tiny"], tmp_path / "again", seed=0)
+    assert _digest(tmp_path / "again") == _digest(Path(tiny_model))
+
+
+def test_other_seed_gives_other_weights(tiny_model, tiny_model_other_seed):
+    a, b = _digest(Path(tiny_model)), _digest(Path(tiny_model_other_seed))
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"]
+
+
+def test_tokenizer_covers_exactly_the_model_vocab(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    assert len(tok) == config["vocab_size"] == PRESETS["tiny"].vocab_size
+    text = "Prefill reads the whole prompt."
+    assert tok.decode(tok.encode(text)) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_weights_use_per_expert_layout(tiny_model):
+    from safetensors import safe_open
+
+    with safe_open(str(Path(tiny_model) / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        spec = PRESETS["tiny"]
+        for e in range(spec.num_experts):
+            assert f"model.layers.0.mlp.experts.{e}.gate_proj.weight" in keys
+        w = f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight")
+    assert tuple(w.shape) == (spec.hidden_size, spec.moe_intermediate_size)
+
+
+def test_gpu_preset_writes_config_only(tmp_path):
+    out = write_model(get_preset("gpu"), tmp_path / "gpu")
+    assert not (out / "model.safetensors").exists()
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 64
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        get_preset("huge")

@@ -1,0 +1,66 @@
+"""Greedy parity through the offline `LLM()` API: ainfer_pd vs stock vLLM, same layout, float32.
+
+Stock's TP=1 engine is shared by the tests of this module (it is the reference and the teacher
+forcer); each test starts the engine it compares.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_ainfer_pd.testing.parity import compare, offline_llm, parity_waves, run_waves
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
+MAX_TOKENS = 24
+WAVES = parity_waves(vocab_size=512)
+PROMPTS = [p for wave in WAVES for p in wave]
+
+
+@pytest.fixture(scope="module")
+def stock_tp1(tiny_model):
+    with offline_llm(tiny_model, 1) as stock:
+        yield stock, run_waves(stock, WAVES, MAX_TOKENS)
+
+
+def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
+    stock, stock_out = stock_tp1
+    with offline_llm(tiny_model, 1, backend="ainfer_pd") as ours:
+        assert ours.worker_classes() == ["AInferPDWorker"]
+        ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+    assert stock.worker_classes() == ["CPUWorker"]
+    report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    print(report)
+    assert report.fail == 0, report
+    assert report.exact + report.tie == len(PROMPTS)
+
+
+def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other_seed):
+    """The harness can fail: the same backend on differently seeded weights must not pass."""
+    stock, stock_out = stock_tp1
+    with offline_llm(tiny_model_other_seed, 1, backend="ainfer_pd") as other:
+        other_out = run_waves(other, WAVES, MAX_TOKENS)
+    report = compare(PROMPTS, stock_out, other_out, stock.teacher_force)
+    print(report)
+    assert report.fail >= len(PROMPTS) // 2, report
+
+
+def test_offline_tp2_matches_stock_tp2(tiny_model):
+    with offline_llm(tiny_model, 2) as stock:
+        stock_out = run_waves(stock, WAVES, MAX_TOKENS)
+        with offline_llm(tiny_model, 2, backend="ainfer_pd") as ours:
+            assert ours.worker_classes() == ["AInferPDWorker"] * 2
+            ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+        report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    print(report)
+    assert report.fail == 0, report
+
+
+def test_fully_qualified_executor_path_works_without_the_short_name(stock_tp1, tiny_model):
+    stock, stock_out = stock_tp1
+    with offline_llm(tiny_model, 1, backend="vllm_ainfer_pd.executor.AInferPDExecutor") as ours:
+        assert ours.worker_classes() == ["AInferPDWorker"]
+        ours_out = ours.generate(WAVES[0], MAX_TOKENS)
+    n = len(WAVES[0])
+    report = compare(PROMPTS[:n], stock_out[:n], ours_out, stock.teacher_force)
+    assert report.fail == 0, report
