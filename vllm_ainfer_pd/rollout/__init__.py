@@ -1,4 +1,6 @@
-"""Rollout workload: trace format, generator, replayer, metrics, comparison driver (docs/rollout.md).
+"""Rollout workload: trace format, generator, replayer, metrics, comparison driver.
+
+See docs/rollout.md.
 
 Module map: trace.py (format, load/dump), generator.py (synthetic traces with the paper's
 statistics), replayer.py (asyncio client for /v1/completions), metrics.py (makespan, completion

@@ -1,4 +1,5 @@
-"""`vllm-ainfer-pd-rollout` / `python -m vllm_ainfer_pd.rollout`: generate, inspect, replay, compare.
+"""The `vllm-ainfer-pd-rollout` CLI (`python -m vllm_ainfer_pd.rollout`): generate, stats, replay,
+compare.
 
     generate --preset cpu --seed 0 --out trace.jsonl
     stats    --trace trace.jsonl            (or --preset paper)
@@ -14,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import shutil
 import sys
 from pathlib import Path
 
 from vllm_ainfer_pd.rollout import backend_metrics
-from vllm_ainfer_pd.rollout.generator import PRESETS, generate, get_preset
+from vllm_ainfer_pd.rollout.generator import PRESETS, generate
 from vllm_ainfer_pd.rollout.metrics import quantile, summarize
 from vllm_ainfer_pd.rollout.replayer import ReplayConfig, ReplayError, replay
 from vllm_ainfer_pd.rollout.trace import Trace, TraceError, dump_trace, load_trace
@@ -98,7 +100,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 
 def _model_path(name: str | None, preset: str | None, platform: str) -> str:
-    from vllm_ainfer_pd.models.generate import PRESETS as MODEL_PRESETS, ensure_model
+    from vllm_ainfer_pd.models.generate import PRESETS as MODEL_PRESETS
+    from vllm_ainfer_pd.models.generate import ensure_model
 
     if name is None:
         name = MODEL_FOR_PRESET.get(preset or "", "tiny" if platform == "cpu" else "gpu")
@@ -117,6 +120,13 @@ def _variant(text: str) -> tuple[str, str]:
     return name, raw
 
 
+def _backend(text: str) -> tuple[str, tuple[str, ...]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--backend {text!r} must look like NAME='FLAGS'")
+    return name, tuple(shlex.split(flags))
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
     from vllm_ainfer_pd.rollout.compare import CompareConfig, compare
     from vllm_ainfer_pd.rollout.report import markdown
@@ -130,6 +140,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         out=args.out, platform=platform, reps=args.reps, wait_scale=args.wait_scale,
         tp=args.tp, dp=args.dp, enable_expert_parallel=args.enable_expert_parallel,
         extra_args=tuple(args.serve_arg), variants=tuple(args.variant),
+        extra_backends=tuple(args.backend),
         concurrency=args.concurrency, timeout_s=args.timeout, progress=not args.no_progress,
         meta={"trace_source": str(args.trace) if args.trace else
               f"preset {args.preset or 'cpu'} seed {args.seed}"})
@@ -178,6 +189,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--enable-expert-parallel", action="store_true")
     c.add_argument("--variant", type=_variant, action="append", default=[],
                    help="NAME=JSON: one more ainfer_pd server with --additional-config JSON")
+    c.add_argument("--backend", type=_backend, action="append", default=[],
+                   help="NAME='FLAGS': one more server with these extra `vllm serve` flags (e.g. "
+                        "stock_mp='--distributed-executor-backend mp')")
     c.add_argument("--serve-arg", action="append", default=[],
                    help="extra `vllm serve` flag for every server (repeat; e.g. "
                         "--serve-arg=--max-num-seqs=64)")

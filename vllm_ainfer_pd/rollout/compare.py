@@ -35,7 +35,8 @@ class CompareConfig:
     """`model`: a model folder. `platform`: "cpu" adds CPU_ENGINE_ARGS and cpu_env(tp * dp) to
     every server; "gpu" adds `--seed 0` (and `--load-format dummy` for a config-only model).
     `extra_args`: more `vllm serve` flags for every backend. `variants`: (name, additional-config
-    JSON) pairs run on the ainfer_pd backend."""
+    JSON) pairs run on the ainfer_pd backend. `extra_backends`: (name, flags) pairs, any server
+    (e.g. stock on vLLM's multiprocess executor, to separate executor cost from scheduling)."""
 
     model: str
     out: Path
@@ -47,6 +48,7 @@ class CompareConfig:
     enable_expert_parallel: bool = False
     extra_args: tuple[str, ...] = ()
     variants: tuple[tuple[str, str], ...] = ()
+    extra_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()
     concurrency: int = 256
     timeout_s: float = 600.0
     progress: bool = True
@@ -59,7 +61,7 @@ class CompareConfig:
             raise ValueError(f"reps={self.reps} must be >= 1")
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"tp={self.tp} and dp={self.dp} must be >= 1")
-        names = ["stock", "ainfer_pd"] + [n for n, _ in self.variants]
+        names = ["stock", "ainfer_pd"] + [n for n, _ in self.variants + self.extra_backends]
         if len(set(names)) != len(names):
             raise ValueError(f"backend names must be unique, got {names}")
         for name, raw in self.variants:
@@ -73,6 +75,8 @@ class CompareConfig:
         out = {"stock": [], "ainfer_pd": list(AINFER)}
         for name, raw in self.variants:
             out[name] = [*AINFER, "--additional-config", raw]
+        for name, flags in self.extra_backends:
+            out[name] = list(flags)
         return out
 
     def common_args(self) -> list[str]:

@@ -107,7 +107,7 @@ def _turn_counts(rng: random.Random, preset: TracePreset) -> list[int]:
 
 def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
     """x in [lo, hi] with f(x) ~= target for increasing f (clamped to the ends)."""
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
     return (lo + hi) / 2
@@ -118,7 +118,7 @@ def _solve_initial(z0: list[float], tails: list[list[float]], target: Target) ->
     tails[t][k], the tokens a turn adds on top of it) have the target median and p99."""
 
     def contexts(mu: float, s: float) -> list[float]:
-        return [math.exp(mu + s * z) + c for z, tail in zip(z0, tails) for c in tail]
+        return [math.exp(mu + s * z) + c for z, tail in zip(z0, tails, strict=True) for c in tail]
 
     def mu_for(s: float) -> float:
         return _bisect(lambda mu: quantile(contexts(mu, s), 0.5), target.median, -5.0, 15.0)
@@ -153,11 +153,11 @@ def generate(preset: str | TracePreset, seed: int = 0) -> Trace:
     initial = _solve_initial(z0, [t[3] for t in per_t], p.context)
 
     trajectories = []
-    for i, ((t_out, t_inc, t_wait, _), first) in enumerate(zip(per_t, initial)):
+    for i, ((t_out, t_inc, t_wait, _), first) in enumerate(zip(per_t, initial, strict=True)):
         in_sizes = [max(1, round(first))] + t_inc
         in_sizes, t_out = _fit(in_sizes, t_out, p.max_len)
         turns = [Turn(n_in, n_out, 0.0 if k == 0 else round(t_wait[k - 1], 4))
-                 for k, (n_in, n_out) in enumerate(zip(in_sizes, t_out))]
+                 for k, (n_in, n_out) in enumerate(zip(in_sizes, t_out, strict=True))]
         trajectories.append(Trajectory(f"t{i}", tuple(turns)))
     return Trace(tuple(trajectories), {"preset": p.name, "seed": seed})
 

@@ -45,6 +45,8 @@ class RequestRecord:
     end_s: float = math.nan  # final token received
     output_tokens: int = 0
     error: str | None = None
+    prompt_ids: list[int] | None = None  # kept only with ReplayConfig.keep_ids
+    output_ids: list[int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -56,7 +58,8 @@ class ReplayConfig:
     """`url`: server root (http://host:port). `wait_scale` multiplies every client wait (the paper's
     P1-P4 are 0.01-0.10; 0 releases continuations at once). `concurrency` bounds requests in flight;
     `timeout_s` bounds each request. Increment ids come from [token_low, token_high), seeded by
-    `id_seed` and the turn, so equal seeds send equal prompts."""
+    `id_seed` and the turn, so equal seeds send equal prompts. `keep_ids` keeps every prompt and
+    output in the records (for checks; costly on large traces)."""
 
     url: str
     model: str | None = None
@@ -67,6 +70,7 @@ class ReplayConfig:
     token_high: int = 500
     id_seed: int = 0
     progress: bool = True
+    keep_ids: bool = False  # store each request's prompt and output ids in its record
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -98,7 +102,7 @@ async def probe(session: aiohttp.ClientSession, url: str) -> tuple[str, int | No
             if r.status != 200:
                 raise ReplayError(f"server at {url} answered GET /v1/models with HTTP {r.status}")
             data = (await r.json())["data"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise ReplayError(f"cannot reach an OpenAI-compatible server at {url} "
                           f"({type(e).__name__}: {e or 'timed out'})") from None
     if not data:
@@ -145,6 +149,8 @@ class _Replay:
                         error=f"skipped: turn {k} of trajectory {traj.id!r} failed"))
                     self.bar.update(1)
                 return
+            if self.cfg.keep_ids:
+                rec.prompt_ids, rec.output_ids = prompt, output
             context = prompt + output
             if k + 1 < len(traj.turns):
                 release = rec.end_s + traj.turns[k + 1].wait_s * self.cfg.wait_scale
@@ -163,12 +169,19 @@ class _Replay:
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)
                                          ) as r:
                 if r.status != 200:
-                    text = (await r.text())[:300]
-                    rec.error = f"HTTP {r.status}: {text}"
+                    text = await r.text()
+                    try:
+                        text = _error_text(json.loads(text).get("error", text))
+                    except (ValueError, AttributeError):
+                        pass
+                    rec.error = f"HTTP {r.status}: {text[:300]}"
                     return []
                 async for event in _sse_events(r):
                     if "error" in event:
-                        rec.error = f"server error mid-stream: {event['error']}"
+                        # vLLM reports a rejected streamed request in an event, after HTTP 200.
+                        err = event["error"]
+                        code = err.get("code", "?") if isinstance(err, dict) else "?"
+                        rec.error = f"server error {code}: {_error_text(err)[:300]}"
                         return []
                     usage = event.get("usage") or usage
                     for choice in event.get("choices", []):
@@ -176,7 +189,7 @@ class _Replay:
                             if not ids:
                                 rec.first_token_s = self.now()
                             ids += choice["token_ids"]
-        except asyncio.TimeoutError:
+        except TimeoutError:
             rec.error = f"timed out after {self.cfg.timeout_s:.0f} s"
             return []
         except (aiohttp.ClientError, OSError, ValueError) as e:
@@ -187,8 +200,13 @@ class _Replay:
         if len(ids) != n:
             rec.error = f"short output: {len(ids)} of {n} tokens"
         elif usage and usage.get("prompt_tokens") != len(prompt):
-            rec.error = f"server counted {usage.get('prompt_tokens')} prompt tokens, sent {len(prompt)}"
+            rec.error = (f"server counted {usage.get('prompt_tokens')} prompt tokens, "
+                         f"sent {len(prompt)}")
         return ids
+
+
+def _error_text(err: Any) -> str:
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
 async def _sse_events(r: aiohttp.ClientResponse):

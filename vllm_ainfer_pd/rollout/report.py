@@ -2,8 +2,8 @@
 the first backend, normally stock vLLM) and PNG plots (request/trajectory completion CCDFs,
 makespan bars with IQR whiskers).
 
-A run is a dict {"backend", "rep", "summary" (metrics.summarize), "counters" (backend_metrics.delta),
-"request_completion_s", "trajectory_completion_s" (per-request/per-trajectory samples)}.
+A run is a dict {"backend", "rep", "summary" (metrics.summarize), "counters"
+(backend_metrics.delta), "request_completion_s", "trajectory_completion_s" (the samples)}.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def build(meta: dict[str, Any], backends: dict[str, dict[str, Any]]) -> dict[str
 def _fmt(x: float) -> str:
     if math.isnan(x):
         return "n/a"
-    a = abs(x)
-    return f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 1 else f"{x:.3f}"
+    digits = 0 if abs(x) >= 100 else 1 if abs(x) >= 10 else 2 if abs(x) >= 1 else 3
+    return f"{x:.{digits}f}"
 
 
 def _cell(s: dict[str, float] | None, scale: float = 1.0) -> str:
@@ -150,7 +150,7 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(backends), 4))
-    for i, (name, b) in enumerate(backends.items()):
+    for i, b in enumerate(backends.values()):
         s = b["aggregate"]["makespan_s"]
         ax.bar(i, s["median"], yerr=[[s["median"] - s["q1"]], [s["q3"] - s["median"]]],
                capsize=8, color=f"C{i}", alpha=0.8)

@@ -31,7 +31,7 @@ class TraceError(ValueError):
 @dataclass(frozen=True)
 class Turn:
     """One request. `wait_s`: client wait between the previous turn's final token and this turn's
-    release (0 on a trajectory's first turn). `input_ids`, when given, has `input_tokens` entries."""
+    release (0 on a trajectory's first turn). `input_ids`, if given, has `input_tokens` entries."""
 
     input_tokens: int
     output_tokens: int
@@ -166,7 +166,7 @@ def load_trace(path: str | Path) -> Trace:
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
+        where = f"{path} line {lineno}"
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as e:

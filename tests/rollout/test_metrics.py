@@ -1,0 +1,98 @@
+"""Metric arithmetic on hand-made records, the report built from them, and /metrics parsing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from vllm_ainfer_pd.rollout import backend_metrics, report
+from vllm_ainfer_pd.rollout.metrics import quantile, summarize
+from vllm_ainfer_pd.rollout.replayer import RequestRecord
+
+
+def rec(traj, turn, release, submit, first, end, n_out, error=None):
+    return RequestRecord(traj, turn, release, n_out, 10, submit, first, end, n_out, error)
+
+
+# Two trajectories: a (two turns, 1 s wait between) and b (one turn), then a failed one c.
+RECORDS = [
+    rec("a", 0, 0.0, 0.0, 0.5, 2.5, 5),   # completion 2.5, ttft 0.5, tpot 0.5
+    rec("a", 1, 3.5, 3.6, 4.0, 6.0, 3),   # completion 2.4, ttft 0.4, tpot 1.0
+    rec("b", 0, 0.0, 0.1, 0.3, 1.1, 1),   # completion 1.0, ttft 0.2, no tpot (one token)
+    rec("c", 0, 0.0, 0.0, math.nan, math.nan, 4, error="HTTP 400: bad"),
+]
+
+
+def test_summary_follows_the_paper_definitions():
+    s = summarize(RECORDS)
+    assert (s["requests"], s["completed"], s["failed"], s["trajectories"]) == (4, 3, 1, 3)
+    assert s["makespan_s"] == pytest.approx(6.0)  # first release 0 -> last final token 6.0
+    assert s["requests_per_s"] == pytest.approx(3 / 6.0)
+    assert s["request_completion_s"]["p50"] == pytest.approx(2.4)
+    assert s["request_completion_s"]["mean"] == pytest.approx((2.5 + 2.4 + 1.0) / 3)
+    # Trajectory completion includes the client wait; c failed and is left out.
+    assert s["trajectory_completion_s"]["p50"] == pytest.approx((6.0 + 1.1) / 2)
+    assert s["trajectory_completion_s"]["p99"] == pytest.approx(1.1 + 0.99 * (6.0 - 1.1))
+    assert s["ttft_s"]["p50"] == pytest.approx(0.4)
+    assert s["tpot_s"]["mean"] == pytest.approx(0.75)
+    assert (s["input_tokens"], s["output_tokens"]) == (30, 9)
+
+
+def test_quantile_interpolates_like_numpy():
+    assert quantile([1, 2, 3, 4], 0.5) == 2.5
+    assert quantile([1, 2, 3, 4], 0.99) == pytest.approx(3.97)
+    assert math.isnan(quantile([], 0.5))
+    with pytest.raises(ValueError, match="q=1.5"):
+        quantile([1], 1.5)
+
+
+PROM_BEFORE = """# TYPE vllm_ainfer_pd_d_wait_seconds histogram
+vllm_ainfer_pd_d_wait_seconds_sum{rank="0"} 1.0
+vllm_ainfer_pd_d_wait_seconds_sum{rank="1"} 1.0
+vllm_ainfer_pd_d_wait_seconds_count{rank="0"} 4
+vllm_ainfer_pd_d_wait_seconds_count{rank="1"} 4
+vllm_ainfer_pd_d_wait_seconds_bucket{rank="0",le="0.1"} 4
+vllm:num_preemptions_total{engine="0"} 2
+vllm:kv_cache_usage_perc{engine="0"} 0.5
+"""
+PROM_AFTER = PROM_BEFORE.replace("_sum{rank=\"0\"} 1.0", "_sum{rank=\"0\"} 3.0").replace(
+    "_count{rank=\"0\"} 4", "_count{rank=\"0\"} 8")
+
+
+def test_backend_counters_are_deltas_summed_over_ranks():
+    d = backend_metrics.delta(backend_metrics.parse(PROM_BEFORE),
+                              backend_metrics.parse(PROM_AFTER))
+    assert d["vllm_ainfer_pd_d_wait_seconds_sum"] == pytest.approx(2.0)
+    assert d["vllm_ainfer_pd_d_wait_seconds_count"] == pytest.approx(4)
+    assert d["vllm_ainfer_pd_d_wait_seconds_mean"] == pytest.approx(0.5)
+    assert d["vllm:num_preemptions_total"] == 0
+    assert "vllm:kv_cache_usage_perc" not in d  # not one of the engine counters read
+    assert not any(k.endswith("_bucket") for k in d)
+    assert backend_metrics.delta(None, None) == {}
+
+
+def _run(backend, rep, makespan, counters):
+    s = summarize(RECORDS)
+    s["makespan_s"] = makespan
+    return {"backend": backend, "rep": rep, "summary": s, "counters": counters,
+            "request_completion_s": [2.5, 2.4, 1.0], "trajectory_completion_s": [6.0, 1.1]}
+
+
+def test_report_has_medians_iqr_ratios_and_absent_counters(tmp_path):
+    backends = {
+        "stock": {"args": [], "error": None,
+                  "runs": [_run("stock", i, m, {}) for i, m in enumerate([10, 12, 11])]},
+        "ainfer_pd": {"args": ["--distributed-executor-backend", "ainfer_pd"], "error": None,
+                      "runs": [_run("ainfer_pd", i, m, {}) for i, m in enumerate([8, 9, 10])]},
+    }
+    rep = report.build({"reps": 3}, backends)
+    paths = report.write(rep, tmp_path)
+    assert {p.name for p in paths} == {"report.json", "report.md", "ccdf.png", "makespan.png"}
+    md = (tmp_path / "report.md").read_text()
+    assert "| makespan (s) | 11.0 [10.5, 11.5] | 9.00 [8.50, 9.50] | 0.818 |" in md
+    assert "n/a -- no server exported them" in md
+    data = json.loads((tmp_path / "report.json").read_text())  # strict JSON: NaN became null
+    assert data["backends"]["ainfer_pd"]["aggregate"]["makespan_s"]["median"] == 9.0
+    assert all((tmp_path / n).stat().st_size > 10_000 for n in ("ccdf.png", "makespan.png"))
