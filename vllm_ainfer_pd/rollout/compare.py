@@ -167,7 +167,11 @@ def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path
             "wait_scale": cfg.wait_scale,
             "layout": f"tp={cfg.tp} dp={cfg.dp} ep={'on' if cfg.enable_expert_parallel else 'off'}",
             "common_flags": " ".join(cfg.common_args()),
+            "server_order": " -> ".join(backends) + " (each started once, replays back to back)",
             "trace": {"trajectories": len(trace.trajectories), "requests": trace.num_requests,
+                      "input_tokens": sum(sum(t.contexts()) for t in trace.trajectories),
+                      "output_tokens": sum(u.output_tokens for t in trace.trajectories
+                                           for u in t.turns),
                       **{k: v for k, v in trace.meta.items() if isinstance(v, (str, int))}}}
     rep = report.build(meta, backends)
     return rep, report.write(rep, cfg.out)

@@ -129,6 +129,9 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     backends = {n: b for n, b in report["backends"].items() if b["runs"]}
+    meta = report["meta"]
+    caption = ", ".join(f"{k} {meta[k]}" for k in ("trace_source", "wait_scale", "reps", "layout")
+                        if k in meta)
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "request_completion_s", "request completion"),
@@ -141,9 +144,10 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_xlabel("seconds")
         ax.set_ylabel("P(X >= x)")
-        ax.set_title(f"CCDF of {title}")
+        ax.set_title(f"CCDF of {title} (repetitions pooled)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    fig.suptitle(caption, fontsize=9)
     fig.tight_layout()
     paths.append(out / "ccdf.png")
     fig.savefig(paths[-1], dpi=110)
@@ -158,7 +162,8 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
                 label="repetitions" if i == 0 else None)
     ax.set_xticks(range(len(backends)), list(backends))
     ax.set_ylabel("makespan (s)")
-    ax.set_title("Makespan: median, IQR whiskers")
+    ax.set_title("Makespan: median, IQR whiskers", fontsize=10)
+    ax.set_xlabel(caption, fontsize=7)
     ax.legend(loc="lower right")
     fig.tight_layout()
     paths.append(out / "makespan.png")
