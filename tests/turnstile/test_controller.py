@@ -184,7 +184,7 @@ def test_second_attach_is_rejected_as_second_producer():
     ctrl = SegmentController()
     ctrl.open_epoch(0)
     ctrl.attach(0, "layer-hooks")
-    with pytest.raises(SecondProducerError, match="'deepep'.*'layer-hooks' is the producer"):
+    with pytest.raises(SecondProducerError, match=r"'deepep'.*'layer-hooks' is the producer"):
         ctrl.attach(0, "deepep")
 
 
@@ -270,7 +270,7 @@ def test_skipped_boundary_is_rejected():
     ctrl = SegmentController()
     ctrl.open_epoch(0, d_enqueued=True, span=10)
     ctrl.reach(0, 0)
-    with pytest.raises(NonMonotoneBoundaryError, match="skips ids.*expected 1"):
+    with pytest.raises(NonMonotoneBoundaryError, match=r"skips ids.*expected 1"):
         ctrl.reach(0, 2)
 
 
@@ -343,7 +343,8 @@ def test_every_protocol_error_names_rank_epoch_and_boundary():
 # --- properties -------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(boundaries=st.integers(1, 25), spans=st.lists(st.integers(1, 5), min_size=1, max_size=30),
        d_enqueued=st.booleans())
 def test_parks_follow_the_permit_arithmetic(producer, publish, boundaries, spans, d_enqueued):

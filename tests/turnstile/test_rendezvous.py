@@ -50,8 +50,8 @@ def run_threads(n, body):
 
 
 def phases_never_overlap(stamps):
-    """stamps[rank] = [(enter, exit), ...] per phase: every rank enters a phase before any leaves."""
-    for per_phase in zip(*stamps.values()):
+    """stamps[rank] = [(enter, exit), ...] per phase: all ranks enter a phase before any leaves."""
+    for per_phase in zip(*stamps.values(), strict=True):
         assert max(e for e, _ in per_phase) <= min(x for _, x in per_phase)
 
 
@@ -132,15 +132,15 @@ def test_rendezvous_is_unusable_after_a_timeout():
 
 def test_phases_out_of_order_are_rejected():
     rdv = NullRendezvous()
-    with pytest.raises(RendezvousError, match="post_d of round 0.*expected pre_d"):
+    with pytest.raises(RendezvousError, match=r"post_d of round 0.*expected pre_d"):
         rdv.post_d()
     rdv.pre_d()
-    with pytest.raises(RendezvousError, match="pre_d of round 0.*expected post_d"):
+    with pytest.raises(RendezvousError, match=r"pre_d of round 0.*expected post_d"):
         rdv.pre_d()
 
 
 def test_shm_attach_times_out_naming_the_creator_when_the_segment_never_appears():
-    with pytest.raises(RendezvousTimeout, match="rank 1 in attach.*never arrived: \\[0\\]"):
+    with pytest.raises(RendezvousTimeout, match=r"rank 1 in attach.*never arrived: \[0\]"):
         ShmRendezvous(shm_name(), 1, 2, timeout_s=0.2)
 
 

@@ -230,7 +230,7 @@ def test_ordering_modes_differ_only_in_span_and_fence():
     assert OrderingMode.parse("global-enqueue").span(FixedSpan(3)) == UNBOUNDED
     assert OrderingMode.GLOBAL_COMPLETE.span(LoadSelectedSpan()) == UNBOUNDED  # no Load needed
     assert [m.fences_device for m in OrderingMode] == [True, False, False]
-    with pytest.raises(ValueError, match="'coarse'.*global-complete, global-enqueue, fine"):
+    with pytest.raises(ValueError, match=r"'coarse'.*global-complete, global-enqueue, fine"):
         OrderingMode.parse("coarse")
 
 

@@ -1,7 +1,7 @@
 """Segment controller: the per-rank hand-off point between the P thread and the D thread.
 
-A P epoch `e` publishes safe boundary ids `i = 0, 1, ...` (boundary 0 is the epoch's entry, published
-before P issues any device work). The controller keeps
+A P epoch `e` publishes safe boundary ids `i = 0, 1, ...` (boundary 0 is the epoch's entry,
+published before P issues any device work). The controller keeps
 
 - `reached` r: the largest boundary published so far (initially -1);
 - `permit` p: the endpoint P may reach; P stops (parks) at `i == p`;
@@ -13,8 +13,8 @@ Initially `p = 0`, so ready D goes before P enters the device; if this round's D
 completion with `finish`.
 
 Threads: exactly one producer thread (the P thread) calls `attach`/`reach`/`finish`/`fail`; the
-consumer (the D, i.e. main, thread) calls `open_epoch`/`wait_parked`/`advance`/`cancel`. All state is
-guarded by one condition variable; both sides wait only on the host, and every wait has a timeout.
+consumer (the D, i.e. main, thread) calls `open_epoch`/`wait_parked`/`advance`/`cancel`. One
+condition variable guards all state; both sides wait only on the host, each wait with a timeout.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ class SegmentController:
             self._cond.notify_all()
 
     def fail(self, epoch: int, exc: BaseException) -> None:
-        """Report a producer failure; the consumer's next wait or advance raises `ProducerFailed`."""
+        """Report a producer failure: the consumer's next wait or advance raises ProducerFailed."""
         with self._cond:
             if epoch != self._epoch or self._state not in (TaskState.RUNNING, TaskState.PARKED):
                 return  # nothing to report to: the epoch is over or was replaced

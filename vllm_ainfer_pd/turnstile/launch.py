@@ -23,6 +23,9 @@ def context() -> Any:
     """The multiprocessing context used for rank processes (forkserver, torch pre-imported)."""
     global _CTX
     if _CTX is None:
+        # Ranks abandoned after a diagnosed hang make torch's C++ store client log warnings with
+        # stack frames when rank 0 (the store host) exits first; keep their logs to errors.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "vllm_ainfer_pd.turnstile"])
     return _CTX

@@ -55,7 +55,7 @@ class FixedSpan(SegmentPolicy):
     def __post_init__(self) -> None:
         validate_span(self.k, what="k")
         if math.isinf(self.k):
-            raise ValueError(f"k must be finite; use a global ordering mode instead, got {self.k!r}")
+            raise ValueError(f"k must be finite (use a global ordering mode), got {self.k!r}")
 
     def span(self, load: Load | None = None) -> int:
         return self.k
@@ -70,9 +70,9 @@ class LoadSelectedSpan(SegmentPolicy):
     - `d_occupancy >= d_high`: `s_0`, the smallest span. D is busy, so stop P often to keep D's
       wait per round short.
     - otherwise: score `= min(p_pressure / p_high, 1) * (1 - d_occupancy / d_high)` in [0, 1] and
-      K `= s_j` with `j = floor(score * m + 1/2)`. High P pressure with low D occupancy gives the largest
-      span (fewer rounds, less control overhead while D has little to protect); no P pressure gives
-      `s_0`.
+      K `= s_j` with `j = floor(score * m + 1/2)`. High P pressure with low D occupancy gives the
+      largest span (fewer rounds, less control overhead while D has little to protect); no P
+      pressure gives `s_0`.
 
     K never increases with D occupancy and never decreases with P pressure. `spans` are the spans
     validated for this backend and precision (the paper's selector picks among them).

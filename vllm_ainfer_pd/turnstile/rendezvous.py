@@ -37,7 +37,7 @@ PHASES = ("pre_d", "post_d")
 
 
 def phase_of(gen: int) -> str:
-    """The phase of arrival generation `gen = 2 * round + phase_index + 1`, e.g. "pre_d of round 3"."""
+    """Phase of arrival generation `gen = 2 * round + phase_index + 1`, e.g. "pre_d of round 3"."""
     return f"{PHASES[(gen - 1) % 2]} of round {(gen - 1) // 2}"
 
 
@@ -71,7 +71,7 @@ class Rendezvous(abc.ABC):
         """Barrier after D enqueue, before the next P release. Returns the seconds waited."""
         return self._phase(1)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most rendezvous hold nothing to release
         """Release resources. Idempotent."""
 
     def __enter__(self) -> Rendezvous:
@@ -133,15 +133,20 @@ class ShmRendezvous(Rendezvous):
     each hold their own instance (used by tests).
 
     Waiting spins for `spin_s`, then yields the CPU (`sched_yield`), then sleeps ~50 us per check
-    after `yield_s`, so oversubscribed hosts and long skews do not starve the late ranks.
+    after `yield_s`, so long skews do not starve the late ranks. `spin_s=None` spins 50 us when
+    every rank can have a CPU and not at all when ranks outnumber the CPUs this process may use
+    (there, a spinning rank only delays the rank it waits for).
     """
 
     def __init__(self, name: str, rank: int, world_size: int, *, create: bool | None = None,
-                 timeout_s: float = 60.0, spin_s: float = 50e-6, yield_s: float = 2e-3) -> None:
+                 timeout_s: float = 60.0, spin_s: float | None = None,
+                 yield_s: float = 5e-4) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} out of range for world_size {world_size!r}")
         super().__init__(rank, world_size, timeout_s)
         self.name = name
+        if spin_s is None:
+            spin_s = 50e-6 if world_size <= len(os.sched_getaffinity(0)) else 0.0
         self.spin_s, self.yield_s = spin_s, yield_s
         self._creator = rank == 0 if create is None else create
         size = _LINE * 8 * (world_size + 1)

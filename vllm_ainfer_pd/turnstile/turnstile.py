@@ -3,7 +3,7 @@ release of the next P segment.
 
 On the D (main) thread of every rank, once per D iteration:
 
-    record = turnstile.pre_d()     # P stopped at its permit (or finished) on this rank; all ranks met
+    record = turnstile.pre_d()     # P stopped at its permit (or finished) here; all ranks met
     ...enqueue one D iteration...  # graph replay on GPU; eager on CPU
     turnstile.post_d(load)         # all ranks enqueued D; permit += K releases P's next segment
 

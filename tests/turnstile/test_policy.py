@@ -1,0 +1,102 @@
+"""Segment policies choose only K, monotonically in load, and reject bad inputs by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_ainfer_pd.turnstile import FixedSpan, Load, LoadSelectedSpan, make_policy
+
+occupancy = st.floats(0.0, 1.0)
+pressure = st.floats(0.0, 50.0)
+
+
+def test_fixed_span_ignores_load():
+    assert FixedSpan(3).span() == 3
+    assert FixedSpan(3).span(Load(1.0, 9.0)) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, math.inf, True, "2"])
+def test_fixed_span_rejects_a_bad_k_by_value(bad):
+    with pytest.raises(ValueError, match="k must"):
+        FixedSpan(bad)
+
+
+def test_high_d_occupancy_selects_the_smallest_span():
+    policy = LoadSelectedSpan((4, 1, 2))
+    assert policy.spans == (1, 2, 4)
+    assert policy.span(Load(d_occupancy=0.8, p_pressure=10.0)) == 1
+
+
+def test_high_p_pressure_with_idle_d_selects_the_largest_span():
+    assert LoadSelectedSpan((1, 2, 4)).span(Load(0.0, 1.0)) == 4
+
+
+def test_no_p_pressure_selects_the_smallest_span():
+    assert LoadSelectedSpan((1, 2, 4)).span(Load(0.0, 0.0)) == 1
+
+
+def test_middle_load_selects_a_middle_span():
+    assert LoadSelectedSpan((1, 2, 4)).span(Load(0.0, 0.5)) == 2
+
+
+@given(d1=occupancy, d2=occupancy, p=pressure)
+def test_span_never_grows_with_d_occupancy(d1, d2, p):
+    policy = LoadSelectedSpan((1, 2, 3, 4, 8))
+    lo, hi = sorted((d1, d2))
+    assert policy.span(Load(hi, p)) <= policy.span(Load(lo, p))
+
+
+@given(d=occupancy, p1=pressure, p2=pressure)
+def test_span_never_shrinks_with_p_pressure(d, p1, p2):
+    policy = LoadSelectedSpan((1, 2, 3, 4, 8))
+    lo, hi = sorted((p1, p2))
+    assert policy.span(Load(d, lo)) <= policy.span(Load(d, hi))
+
+
+@given(d=occupancy, p=pressure, spans=st.sets(st.integers(1, 64), min_size=1, max_size=6))
+def test_selected_span_is_always_one_of_the_validated_spans(d, p, spans):
+    assert LoadSelectedSpan(tuple(spans)).span(Load(d, p)) in spans
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"spans": ()}, "at least one span"),
+    ({"spans": (1, 0)}, "got 0"),
+    ({"spans": (1, 2.5)}, "got 2.5"),
+    ({"spans": (2, 2)}, r"distinct, got \(2, 2\)"),
+    ({"spans": (1, math.inf)}, "finite, got inf"),
+    ({"d_high": 0.0}, "d_high must be in"),
+    ({"d_high": 1.5}, "got 1.5"),
+    ({"p_high": -1.0}, "p_high must be > 0, got -1.0"),
+    ({"p_high": math.nan}, "p_high must be a finite number, got nan"),
+])
+def test_load_selected_span_rejects_bad_settings_by_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoadSelectedSpan(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"d_occupancy": 1.2}, r"d_occupancy must be in \[0, 1\], got 1.2"),
+    ({"d_occupancy": -0.1}, "got -0.1"),
+    ({"p_pressure": -3.0}, "p_pressure must be finite and >= 0, got -3.0"),
+    ({"p_pressure": math.inf}, "p_pressure must be a finite number, got inf"),
+    ({"d_occupancy": "full"}, "got 'full'"),
+])
+def test_load_rejects_bad_figures_by_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Load(**kwargs)
+
+
+def test_load_selected_span_needs_a_load():
+    with pytest.raises(ValueError, match="needs a Load"):
+        LoadSelectedSpan().span(None)
+
+
+def test_make_policy_names_the_unknown_kind():
+    assert make_policy("fixed", k=2) == FixedSpan(2)
+    assert make_policy("load", spans=(2, 1)).spans == (1, 2)
+    with pytest.raises(ValueError, match="'adaptive'"):
+        make_policy("adaptive")
