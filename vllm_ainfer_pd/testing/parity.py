@@ -128,13 +128,9 @@ class LLMRunner:
                  for d in o.prompt_logprobs] for o in outs]
 
 
-    def worker_classes(self) -> list[str]:
-        """The class name of every rank's worker (proves which backend built the engine)."""
-        return self.llm.collective_rpc(_worker_class_name)
-
-
-def _worker_class_name(worker) -> str:
-    return type(worker).__name__
+    def worker_status(self) -> list[dict]:
+        """Every rank's `AInferPDWorker.ainfer_pd_status()` (fails on a stock engine)."""
+        return self.llm.collective_rpc("ainfer_pd_status")
 
 
 class ServerRunner:

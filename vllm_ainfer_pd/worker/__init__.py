@@ -21,6 +21,16 @@ def _platform_worker_cls() -> type:
 
 
 class AInferPDWorker(_platform_worker_cls()):
+    def ainfer_pd_status(self) -> dict:
+        """Per-rank status over `collective_rpc("ainfer_pd_status")`: which worker and mode run."""
+        from vllm_ainfer_pd.config import AInferPDConfig
+
+        return {
+            "worker": type(self).__name__,
+            "rank": self.rank,
+            "mode": AInferPDConfig.from_vllm_config(self.vllm_config).mode,
+        }
+
     def init_device(self) -> None:
         if current_platform.is_cpu():
             # Expert parallelism on CPU needs what vLLM 0.26's CPU path lacks (see cpu_compat);
