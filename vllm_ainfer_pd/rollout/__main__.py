@@ -135,9 +135,13 @@ def cmd_compare(args: argparse.Namespace) -> None:
     platform = args.platform
     if platform == "auto":
         platform = "gpu" if shutil.which("nvidia-smi") else "cpu"
+    schedule = args.schedule
+    if schedule == "auto":
+        schedule = "interleaved" if platform == "cpu" else "sequential"
     cfg = CompareConfig(
         model=_model_path(args.model, args.preset or (None if args.trace else "cpu"), platform),
-        out=args.out, platform=platform, reps=args.reps, wait_scale=args.wait_scale,
+        out=args.out, platform=platform, schedule=schedule, reps=args.reps,
+        wait_scale=args.wait_scale,
         tp=args.tp, dp=args.dp, enable_expert_parallel=args.enable_expert_parallel,
         extra_args=tuple(args.serve_arg), variants=tuple(args.variant),
         extra_backends=tuple(args.backend),
@@ -184,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None,
                    help="model folder or models preset (default: tiny for cpu, gpu otherwise)")
     c.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto")
+    c.add_argument("--schedule", choices=["auto", "interleaved", "sequential"], default="auto",
+                   help="interleaved: all servers up, order alternating per repetition; "
+                        "sequential: one server at a time (auto: interleaved on cpu)")
     c.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size")
     c.add_argument("--dp", type=int, default=1, help="--data-parallel-size")
     c.add_argument("--enable-expert-parallel", action="store_true")

@@ -2,11 +2,13 @@
 
 Every backend gets identical flags (engine arguments and layout) except its own: stock none,
 `ainfer_pd` `--distributed-executor-backend ainfer_pd`, and each `--variant name=JSON` the
-ainfer_pd backend plus `--additional-config JSON`. Each server starts once, answers one short
-warm-up trajectory (first-request costs stay out of the numbers), then replays the trace `reps`
-times. Repetition r draws its increment ids from seed r, identical across backends, so every backend
-does the same work while no repetition can reuse another's prefix cache. A server that fails to
-start is reported as failed and the comparison goes on with the others.
+ainfer_pd backend plus `--additional-config JSON`. Each server starts once and answers one short
+warm-up trajectory (first-request costs stay out of the numbers); then the trace is replayed
+`reps` times per backend, interleaved across backends or one backend after another.
+
+Repetition r draws its increment ids from seed r, identical across backends, so every backend does
+the same work while no repetition can reuse another's prefix cache. A server that fails to start is
+reported as failed and the comparison goes on with the others.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +38,9 @@ class CompareConfig:
     """`model`: a model folder. `platform`: "cpu" adds CPU_ENGINE_ARGS and cpu_env(tp * dp) to
     every server; "gpu" adds `--seed 0` (and `--load-format dummy` for a config-only model).
     `extra_args`: more `vllm serve` flags for every backend. `variants`: (name, additional-config
-    JSON) pairs run on the ainfer_pd backend. `extra_backends`: (name, flags) pairs, any server
+    JSON) pairs run on the ainfer_pd backend. `schedule`: "interleaved" keeps every server up and
+    alternates their order per repetition (CPU); "sequential" runs one server at a time (GPU,
+    where one server holds the devices' memory). `extra_backends`: (name, flags) pairs, any server
     (e.g. stock on vLLM's multiprocess executor, to separate executor cost from scheduling)."""
 
     model: str
@@ -47,6 +52,7 @@ class CompareConfig:
     dp: int = 1
     enable_expert_parallel: bool = False
     extra_args: tuple[str, ...] = ()
+    schedule: str = "interleaved"
     variants: tuple[tuple[str, str], ...] = ()
     extra_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()
     concurrency: int = 256
@@ -57,6 +63,8 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if self.platform not in ("cpu", "gpu"):
             raise ValueError(f"platform={self.platform!r} must be 'cpu' or 'gpu'")
+        if self.schedule not in ("interleaved", "sequential"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'interleaved' or 'sequential'")
         if self.reps < 1:
             raise ValueError(f"reps={self.reps} must be >= 1")
         if self.tp < 1 or self.dp < 1:
@@ -105,38 +113,83 @@ def _log(msg: str) -> None:
     print(f"[rollout] {msg}", file=sys.stderr, flush=True)
 
 
-def run_backend(cfg: CompareConfig, trace: Trace, name: str, args: list[str]) -> dict[str, Any]:
-    """Start one server, warm it up, replay `reps` times; {"args", "runs", "error"}."""
-    result: dict[str, Any] = {"args": args, "runs": [], "error": None}
-    t = time.monotonic()
-    server = VllmServer(cfg.model, cfg.common_args() + args, cfg.env(), name=f"rollout-{name}")
-    try:
-        server.start()
-    except ServerError as e:
-        result["error"] = str(e).splitlines()[0]
-        _log(f"{name}: server failed to start: {result['error']} (log: {server.log_path})")
-        return result
-    try:
-        _log(f"{name}: server up at {server.url} in {time.monotonic() - t:.0f} s")
-        replay(WARMUP, ReplayConfig(server.url, id_seed=-1, progress=False))
-        for rep in range(cfg.reps):
-            before = backend_metrics.scrape(server.url)
-            res = replay(trace, ReplayConfig(server.url, wait_scale=cfg.wait_scale,
+class _Backend:
+    """One backend's server and results: {"args", "runs", "error"} in `result`."""
+
+    def __init__(self, cfg: CompareConfig, name: str, args: list[str]):
+        self.cfg, self.name = cfg, name
+        self.result: dict[str, Any] = {"args": args, "runs": [], "error": None}
+        self.server = VllmServer(cfg.model, cfg.common_args() + args, cfg.env(),
+                                 name=f"rollout-{name}")
+
+    @property
+    def ok(self) -> bool:
+        return self.result["error"] is None
+
+    def start(self) -> None:
+        """Start and warm up; a failure is recorded, not raised."""
+        t = time.monotonic()
+        try:
+            self.server.start()
+            _log(f"{self.name}: server up at {self.server.url} in {time.monotonic() - t:.0f} s")
+            replay(WARMUP, ReplayConfig(self.server.url, id_seed=-1, progress=False))
+        except (ServerError, ReplayError) as e:
+            self.result["error"] = str(e).splitlines()[0]
+            _log(f"{self.name}: server failed to start: {self.result['error']} "
+                 f"(log: {self.server.log_path})")
+
+    def replay(self, trace: Trace, rep: int) -> None:
+        cfg = self.cfg
+        try:
+            before = backend_metrics.scrape(self.server.url)
+            res = replay(trace, ReplayConfig(self.server.url, wait_scale=cfg.wait_scale,
                                              concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                                              id_seed=rep, progress=cfg.progress))
-            counters = backend_metrics.delta(before, backend_metrics.scrape(server.url))
-            summary = summarize(res.records)
-            result["runs"].append(_run(name, rep, res.records, summary, counters))
-            _write_records(cfg.out / "records" / f"{name}-{rep}.jsonl", res.records)
-            _log(f"{name} rep {rep}: makespan {summary['makespan_s']:.2f} s, "
-                 f"{summary['completed']}/{summary['requests']} completed")
-    except ReplayError as e:
-        result["error"] = str(e)
-        _log(f"{name}: {e}")
+        except ReplayError as e:  # the server went away; its later repetitions are skipped
+            self.result["error"] = str(e)
+            _log(f"{self.name}: {e}")
+            return
+        counters = backend_metrics.delta(before, backend_metrics.scrape(self.server.url))
+        summary = summarize(res.records)
+        self.result["runs"].append(_run(self.name, rep, res.records, summary, counters))
+        _write_records(cfg.out / "records" / f"{self.name}-{rep}.jsonl", res.records)
+        _log(f"{self.name} rep {rep}: makespan {summary['makespan_s']:.2f} s, "
+             f"{summary['completed']}/{summary['requests']} completed")
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.server.log_path.exists():
+            shutil.copy(self.server.log_path, self.cfg.out / f"server-{self.name}.log")
+
+
+def _run_sequential(backends: list[_Backend], trace: Trace, reps: int) -> None:
+    for b in backends:
+        try:
+            b.start()
+            for rep in range(reps):
+                if b.ok:
+                    b.replay(trace, rep)
+        finally:
+            b.stop()
+
+
+def _run_interleaved(backends: list[_Backend], trace: Trace, reps: int) -> None:
+    """All servers up at once; repetition r runs the backends forward for even r, backward for
+    odd r (A B, B A, A B, ...), so a drift in machine load hits every backend alike. An idle vLLM
+    server takes no CPU, so the waiting servers do not perturb the measured one."""
+    try:
+        threads = [threading.Thread(target=b.start) for b in backends]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for rep in range(reps):
+            for b in backends if rep % 2 == 0 else backends[::-1]:
+                if b.ok:
+                    b.replay(trace, rep)
     finally:
-        server.stop()
-        shutil.copy(server.log_path, cfg.out / f"server-{name}.log")
-    return result
+        for b in backends:
+            b.stop()
 
 
 def _run(name: str, rep: int, records: list, summary: dict, counters: dict) -> dict[str, Any]:
@@ -160,14 +213,19 @@ def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path
     """Run every backend in turn; write and return the report and the paths written."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     dump_trace(trace, cfg.out / "trace.jsonl")
-    backends = {}
-    for name, args in cfg.backends().items():
-        backends[name] = run_backend(cfg, trace, name, args)
+    runners = [_Backend(cfg, name, args) for name, args in cfg.backends().items()]
+    if cfg.schedule == "interleaved":
+        _run_interleaved(runners, trace, cfg.reps)
+        order = "all servers up at once; backend order alternates between repetitions"
+    else:
+        _run_sequential(runners, trace, cfg.reps)
+        order = "one server at a time, in this order: " + " -> ".join(b.name for b in runners)
+    backends = {b.name: b.result for b in runners}
     meta = {**cfg.meta, "model": cfg.model, "platform": cfg.platform, "reps": cfg.reps,
             "wait_scale": cfg.wait_scale,
             "layout": f"tp={cfg.tp} dp={cfg.dp} ep={'on' if cfg.enable_expert_parallel else 'off'}",
             "common_flags": " ".join(cfg.common_args()),
-            "server_order": " -> ".join(backends) + " (each started once, replays back to back)",
+            "schedule": f"{cfg.schedule} ({order}; each server started once)",
             "trace": {"trajectories": len(trace.trajectories), "requests": trace.num_requests,
                       "input_tokens": sum(sum(t.contexts()) for t in trace.trajectories),
                       "output_tokens": sum(u.output_tokens for t in trace.trajectories
