@@ -226,6 +226,8 @@ async def _sse_events(r: aiohttp.ClientResponse):
 
 
 def _progress(total: int, enabled: bool):
+    # A bar redrawn with carriage returns only makes sense on a terminal, not in a log file.
+    enabled = enabled and sys.stderr.isatty()
     try:
         from tqdm import tqdm
     except ImportError:  # a plain counter is enough
