@@ -77,15 +77,17 @@ def run(ranks: list[int], impls: list[str], iters: dict[str, int],
                 f"p99 {row['p99_us']:9.1f} us")
     import torch
 
+    # The load average says whether other work shared the CPUs during the measurement.
     host = {"cpus": os.cpu_count(), "machine": platform.machine(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "python": platform.python_version(), "torch": torch.__version__,
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
     return {"host": host, "rows": rows}
 
 
 def format_table(result: dict[str, Any]) -> str:
     host = result["host"]
     lines = [f"Rendezvous latency per phase (pre_d or post_d); host: {host['cpus']} CPUs, "
-             f"torch {host['torch']}",
+             f"load average {host['load_avg_1m']}, torch {host['torch']}",
              f"{'impl':<6} {'ranks':>5} {'median us':>11} {'p99 us':>11} {'mean us':>11}  note",
              "-" * 62]
     for r in result["rows"]:

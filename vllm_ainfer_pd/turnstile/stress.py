@@ -232,16 +232,17 @@ def passed(row: dict[str, Any]) -> bool:
 
 
 def run(world: int, seeds: list[int], cfg: StressConfig, *, log: Any = print) -> dict[str, Any]:
-    """Run the stress for every seed in one set of rank processes; return the checked summary."""
+    """Run and check the seeds one launch of rank processes each (so an interrupted long run
+    keeps the verdicts of its finished seeds); return the checked summary."""
     log(f"[stress] ranks={world} seeds={seeds} {asdict(cfg)}")
-    budget = cfg.timeout_s + len(seeds) * cfg.cycles * (4 * cfg.max_skew_ms / 1000 + 0.05)
-    with RankGroup(_rank_main, world, args=(seeds, cfg)) as ranks:
-        per_rank = ranks.wait(budget)
-    rows = []
+    budget = cfg.timeout_s + cfg.cycles * (4 * cfg.max_skew_ms / 1000 + 0.05)
     policy = make_policy(cfg.policy, k=cfg.span)
-    for s, seed in enumerate(seeds):
+    rows = []
+    for seed in seeds:
+        with RankGroup(_rank_main, world, args=([seed], cfg)) as ranks:
+            per_rank = ranks.wait(budget)
         plan = make_plan(seed, cfg.cycles, world, policy, OrderingMode.parse(cfg.mode))
-        row = check_seed(plan, [per_rank[r][s] for r in range(world)])
+        row = check_seed(plan, [per_rank[r][0] for r in range(world)])
         rows.append(row)
         log(f"[stress] seed {seed}: {row['cycles']} cycles, {row['epochs']} epochs, "
             f"{row['elapsed_s']:.1f} s ({1000 * row['elapsed_s'] / row['cycles']:.2f} ms/cycle): "
