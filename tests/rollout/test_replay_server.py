@@ -98,9 +98,16 @@ def test_http_error_status_is_recorded_with_the_servers_message(tiny_server):
     assert recs[1].error.startswith("skipped")
 
 
+def test_request_past_its_timeout_is_recorded_as_timed_out(tiny_server):
+    trace = Trace((Trajectory("slow", (Turn(100, 400), Turn(5, 4, 0.0))),))
+    recs = replay(trace, ReplayConfig(tiny_server.url, timeout_s=0.5, progress=False)).records
+    assert recs[0].error == "timed out after 0.5 s"
+    assert recs[1].error.startswith("skipped")
+
+
 def test_trace_longer_than_the_server_context_is_refused_before_sending(tiny_server):
     trace = Trace((Trajectory("huge", (Turn(2000, 10), Turn(100, 10, 0.0))),))
-    with pytest.raises(ReplayError, match="'huge' needs 2120 tokens.*max_model_len is 2048"):
+    with pytest.raises(ReplayError, match="'huge' needs 2120 tokens.*max_model_len=2048"):
         replay(trace, ReplayConfig(tiny_server.url, progress=False))
 
 

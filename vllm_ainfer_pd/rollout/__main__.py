@@ -135,6 +135,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     platform = args.platform
     if platform == "auto":
         platform = "gpu" if shutil.which("nvidia-smi") else "cpu"
+    if platform == "cpu":  # before generating or loading a model
+        from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS
+
+        trace.check_fits(CPU_ENGINE_ARGS["max_model_len"])
     schedule = args.schedule
     if schedule == "auto":
         schedule = "interleaved" if platform == "cpu" else "sequential"

@@ -211,6 +211,8 @@ def _write_records(path: Path, records: list) -> None:
 
 def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path]]:
     """Run every backend in turn; write and return the report and the paths written."""
+    if cfg.platform == "cpu":  # fail before minutes of server start-up, not after
+        trace.check_fits(CPU_ENGINE_ARGS["max_model_len"])
     cfg.out.mkdir(parents=True, exist_ok=True)
     dump_trace(trace, cfg.out / "trace.jsonl")
     runners = [_Backend(cfg, name, args) for name, args in cfg.backends().items()]

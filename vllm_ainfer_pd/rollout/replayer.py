@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, increment_ids
+from vllm_ainfer_pd.rollout.trace import Trace, TraceError, Trajectory, increment_ids
 
 
 class ReplayError(RuntimeError):
@@ -102,7 +102,7 @@ async def probe(session: aiohttp.ClientSession, url: str) -> tuple[str, int | No
             if r.status != 200:
                 raise ReplayError(f"server at {url} answered GET /v1/models with HTTP {r.status}")
             data = (await r.json())["data"]
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:  # noqa: UP041 (3.10)
         raise ReplayError(f"cannot reach an OpenAI-compatible server at {url} "
                           f"({type(e).__name__}: {e or 'timed out'})") from None
     if not data:
@@ -189,8 +189,8 @@ class _Replay:
                             if not ids:
                                 rec.first_token_s = self.now()
                             ids += choice["token_ids"]
-        except TimeoutError:
-            rec.error = f"timed out after {self.cfg.timeout_s:.0f} s"
+        except asyncio.TimeoutError:  # noqa: UP041 (Python 3.10: not the builtin)
+            rec.error = f"timed out after {self.cfg.timeout_s:g} s"
             return []
         except (aiohttp.ClientError, OSError, ValueError) as e:
             rec.error = f"{type(e).__name__}: {e}"
@@ -254,10 +254,11 @@ async def replay_async(trace: Trace, cfg: ReplayConfig) -> ReplayResult:
     connector = aiohttp.TCPConnector(limit=cfg.concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         served, max_len = await probe(session, cfg.url)
-        if max_len is not None and trace.max_len > max_len:
-            worst = max(trace.trajectories, key=lambda t: t.final_len)
-            raise ReplayError(f"trajectory {worst.id!r} needs {worst.final_len} tokens but the "
-                              f"server's max_model_len is {max_len}")
+        if max_len is not None:
+            try:
+                trace.check_fits(max_len)
+            except TraceError as e:
+                raise ReplayError(str(e)) from None
         wall = time.time()
         records = await _Replay(trace, cfg, cfg.model or served, session).run()
     return ReplayResult(records, cfg.model or served, max_len, wall,
