@@ -54,7 +54,7 @@ def stock(tiny_model):
 
 
 def _chat(runner: ServerRunner):
-    r = runner.client.chat.completions.create(model=runner.model, messages=CHAT, max_tokens=16,
+    r = runner.client().chat.completions.create(model=runner.model, messages=CHAT, max_tokens=16,
                                               temperature=0.0, extra_body={"ignore_eos": True})
     return r.choices[0]
 

@@ -13,8 +13,9 @@ from typing import Any
 MODES = ("pd", "normal")
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(Exception):
+    """Not a ValueError on purpose: pydantic (VllmConfig) would fold a ValueError into a multi-line
+    ValidationError; this one reaches the user as one line."""
 
 
 @dataclass(frozen=True)

@@ -137,17 +137,26 @@ class ServerRunner:
     """Generation and teacher forcing through `/v1/completions` with the OpenAI Python client."""
 
     def __init__(self, url: str, model: str, timeout_s: float = 300.0):
+        self.url = url
+        self.model = model
+        self.timeout_s = timeout_s
+
+    def client(self):
+        """A fresh client per batch of calls: a pooled keep-alive connection left idle past the
+        server's keep-alive timeout is closed by the server, and with retries off (so a server
+        error is never hidden) reusing it would fail as "Server disconnected"."""
         from openai import OpenAI
 
-        self.client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=timeout_s,
-                             max_retries=0)
-        self.model = model
+        return OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=self.timeout_s,
+                      max_retries=0)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         from concurrent.futures import ThreadPoolExecutor
 
+        client = self.client()
+
         def one(prompt: list[int]) -> list[int]:
-            r = self.client.completions.create(
+            r = client.completions.create(
                 model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                 extra_body={"ignore_eos": True, "return_token_ids": True})
             return list(r.choices[0].token_ids)
@@ -158,8 +167,9 @@ class ServerRunner:
 
     def teacher_force(self, seqs: list[list[int]]) -> list[list[dict[int, float] | None]]:
         result = []
+        client = self.client()
         for seq in seqs:
-            r = self.client.completions.create(
+            r = client.completions.create(
                 model=self.model, prompt=seq, max_tokens=1, temperature=0.0,
                 extra_body={"prompt_logprobs": 1})
             raw = r.choices[0].model_extra["prompt_logprobs"]
