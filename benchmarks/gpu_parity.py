@@ -1,0 +1,64 @@
+"""Greedy parity on the GPU: stock vLLM vs ainfer_pd in the same layout (run on the lent H200s).
+
+    python benchmarks/gpu_parity.py --model DIR --tp 1 --out parity_tp1.json
+
+Both engines use CUDA graphs and torch.compile (vLLM's defaults) and the V1 GPU model runner. The
+stock engine stays up as the teacher forcer for the tie rule (vllm_ainfer_pd/testing/parity.py).
+Writes a JSON report with exact/tie/fail counts, timings and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    import torch
+    import vllm
+    from vllm import LLM
+
+    from vllm_ainfer_pd.testing.parity import LLMRunner, compare, parity_waves, run_waves
+
+    engine_args = dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp,
+                       max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0)
+    waves = parity_waves(vocab_size=512)
+    prompts = [p for w in waves for p in w]
+    result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                           "gpu": torch.cuda.get_device_name(0)},
+              "engine_args": engine_args}
+    t0 = time.time()
+    stock_llm = LLM(**engine_args)
+    stock = LLMRunner(stock_llm)
+    result["stock_start_s"] = time.time() - t0
+    stock_out = run_waves(stock, waves, args.max_tokens)
+    t0 = time.time()
+    ours_llm = LLM(**engine_args, distributed_executor_backend="ainfer_pd")
+    ours = LLMRunner(ours_llm)
+    result["ours_start_s"] = time.time() - t0
+    result["ours_workers"] = ours.worker_status()
+    ours_out = run_waves(ours, waves, args.max_tokens)
+    ours_llm.llm_engine.engine_core.shutdown()
+    report = compare(prompts, stock_out, ours_out, stock.teacher_force)
+    stock_llm.llm_engine.engine_core.shutdown()
+    result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
+    print(report, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
