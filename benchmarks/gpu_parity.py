@@ -1,6 +1,10 @@
 """Greedy parity on the GPU: stock vLLM vs ainfer_pd in the same layout (run on the lent H200s).
 
     python benchmarks/gpu_parity.py --model DIR --tp 1 --out parity_tp1.json
+    python benchmarks/gpu_parity.py --model DIR --dp 2 --out parity_dp2_ep.json   # vllm serve, EP
+
+Offline `LLM()` for TP layouts; `vllm serve` with `--data-parallel-size N --enable-expert-parallel`
+for DP (vLLM's `LLM()` refuses DP>1), compared with stock vLLM serving the same layout.
 
 Both engines use CUDA graphs and torch.compile (vLLM's defaults) and the V1 GPU model runner. The
 stock engine stays up as the teacher forcer for the tie rule (vllm_ainfer_pd/testing/parity.py).
@@ -21,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1, help=">1: DP with expert parallelism, served")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", required=True)
@@ -31,6 +36,9 @@ def main() -> None:
     from vllm import LLM
 
     from vllm_ainfer_pd.testing.parity import LLMRunner, compare, parity_waves, run_waves
+
+    if args.dp > 1:
+        return serve_parity(args)
 
     engine_args = dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp,
                        max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0)
@@ -54,6 +62,35 @@ def main() -> None:
     ours_llm.llm_engine.engine_core.shutdown()
     report = compare(prompts, stock_out, ours_out, stock.teacher_force)
     stock_llm.llm_engine.engine_core.shutdown()
+    result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
+    print(report, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def serve_parity(args) -> None:
+    import torch
+    import vllm
+
+    from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
+    from vllm_ainfer_pd.testing.server import VllmServer
+
+    flags = ["--dtype", args.dtype, "--max-model-len", "2048", "--max-num-seqs", "32",
+             "--gpu-memory-utilization", "0.3", "--seed", "0", "--tensor-parallel-size",
+             str(args.tp), "--data-parallel-size", str(args.dp), "--enable-expert-parallel"]
+    waves = parity_waves(vocab_size=512)
+    prompts = [p for w in waves for p in w]
+    result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
+                           "gpu": torch.cuda.get_device_name(0),
+                           "gpus": torch.cuda.device_count()}, "flags": flags}
+    with VllmServer(args.model, flags, name="stock") as stock_srv:
+        stock = ServerRunner(stock_srv.url, args.model)
+        stock_out = run_waves(stock, waves, args.max_tokens)
+        with VllmServer(args.model, flags + ["--distributed-executor-backend", "ainfer_pd"],
+                        name="ours") as ours_srv:
+            ours_out = run_waves(ServerRunner(ours_srv.url, args.model), waves, args.max_tokens)
+            result["ours_log_has_ainfer_worker"] = "AInferPDScheduler" in ours_srv.log_text()
+        report = compare(prompts, stock_out, ours_out, stock.teacher_force)
     result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
     print(report, flush=True)
     with open(args.out, "w") as f:

@@ -24,11 +24,12 @@ def free_port() -> int:
 
 
 def vllm_command() -> list[str]:
-    """The `vllm` console script beside this interpreter (the one users type)."""
+    """The `vllm` console script beside this interpreter (the one users type); where vLLM is only
+    on PYTHONPATH (the lent GPU machine), the same CLI through `python -m`."""
     script = Path(sys.executable).with_name("vllm")
-    if not script.exists():
-        raise ServerError(f"no `vllm` console script next to {sys.executable}")
-    return [str(script)]
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 class VllmServer:
