@@ -29,6 +29,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", required=True)
+    # On the lent 2 x H200 machine vLLM's custom all-reduce hit an illegal memory access in stock
+    # vLLM's first TP=2 forward (2026-11-30); this turns it off for both engines alike.
+    parser.add_argument("--disable-custom-all-reduce", action="store_true")
     args = parser.parse_args()
 
     import torch
@@ -41,7 +44,8 @@ def main() -> None:
         return serve_parity(args)
 
     engine_args = dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp,
-                       max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0)
+                       max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0,
+                       disable_custom_all_reduce=args.disable_custom_all_reduce)
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
     result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
