@@ -49,7 +49,8 @@ def main() -> None:
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
     result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                           "cuda": torch.version.cuda,
+                           "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                            "gpu": torch.cuda.get_device_name(0)},
               "engine_args": engine_args}
     t0 = time.time()

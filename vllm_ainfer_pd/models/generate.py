@@ -5,8 +5,8 @@ package) and padded with filler tokens to exactly the model's vocabulary, so eve
 emit decodes. Weights come from `torch.manual_seed(seed)` and the Hugging Face initializer, saved as
 safetensors in bf16. The result is a normal Hugging Face folder that `vllm serve` loads.
 
-`ensure_model(preset)` caches the folder under ~/.cache/vllm-ainfer-pd/models/<preset>-<key>, where the
-key hashes the preset, the seed, the corpus and the transformers version, so a changed generator
+`ensure_model(preset)` caches the folder under ~/.cache/vllm-ainfer-pd/models/<preset>-<key>, where
+the key hashes the preset, the seed, the corpus and the transformers version, so a changed generator
 never reuses a stale checkpoint.
 """
 
@@ -32,8 +32,8 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """Shape of a generated Qwen3-MoE model. `weights="dummy"` writes config and tokenizer only: load
-    it with vLLM's `load_format="dummy"` (random weights made on the device; for the GPU preset)."""
+    """Shape of a generated Qwen3-MoE model. `weights="dummy"` writes config and tokenizer only:
+    load it with vLLM's `load_format="dummy"` (random weights made on the device; GPU preset)."""
 
     name: str
     hidden_size: int
@@ -47,7 +47,7 @@ class ModelPreset:
     vocab_size: int
     max_position_embeddings: int
     weights: str = "random"
-    # Larger than Hugging Face's 0.02 so random logits are less flat (fewer near-ties in parity checks).
+    # Larger than Hugging Face's 0.02, so random logits are less flat (fewer near-ties in parity).
     initializer_range: float = 0.05
 
     def __post_init__(self) -> None:
@@ -112,7 +112,8 @@ def _key(preset: ModelPreset, seed: int) -> str:
     import transformers
 
     blob = json.dumps(
-        [dataclasses.asdict(preset), seed, CORPUS.read_text(), transformers.__version__, CHAT_TEMPLATE]
+        [dataclasses.asdict(preset), seed, CORPUS.read_text(), transformers.__version__,
+         CHAT_TEMPLATE]
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -162,7 +163,8 @@ def write_model(preset: ModelPreset, out: Path, seed: int = 0) -> Path:
 
 
 def write_tokenizer(vocab_size: int, out: Path) -> None:
-    """Train a byte-level BPE on the shipped corpus, then pad it with filler tokens to `vocab_size`."""
+    """Train a byte-level BPE on the shipped corpus, then pad it with filler tokens to
+    `vocab_size`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

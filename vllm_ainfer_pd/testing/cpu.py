@@ -1,4 +1,5 @@
-"""Settings that let multi-rank vLLM run on a small CPU machine (set by the harness, not by hand)."""
+"""Settings that let multi-rank vLLM run on a small CPU machine (set by the harness, not by
+hand)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def apply_cpu_env(num_ranks: int) -> None:
 
 
 def serve_args(args: dict) -> list[str]:
-    """CLI flags for `vllm serve` from engine-argument names (`max_model_len` -> `--max-model-len`)."""
+    """`vllm serve` flags from engine-argument names (`max_model_len` -> `--max-model-len`)."""
     flags: list[str] = []
     for name, value in args.items():
         flag = "--" + name.replace("_", "-")

@@ -1,9 +1,9 @@
 """Greedy parity between stock vLLM and the ainfer_pd backend, telling a tie from a bug.
 
 The bar: with greedy sampling, our token ids equal stock's. Random-weight models have near-tied
-logits, so where a sequence first differs the harness teacher-forces *stock* on *our* sequence (prompt
-logprobs) and accepts our token at every position from there on only if its logprob is within
-`TIE_EPSILON` of the best logprob stock computes at that position. Anything else fails.
+logits, so where a sequence first differs the harness teacher-forces *stock* on *our* sequence
+(prompt logprobs) and accepts our token at every position from there on only if its logprob is
+within `TIE_EPSILON` of the best logprob stock computes at that position. Anything else fails.
 
 TIE_EPSILON = 1e-3 nats: float32 reduction-order noise between layouts (TP, EP, prefill vs decode
 kernels) is ~1e-5 here, and the median top-2 gap of the tiny models is ~5e-2, so a tie must be a
@@ -14,8 +14,8 @@ far outside it.
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 TIE_EPSILON = 1e-3
@@ -72,7 +72,8 @@ def compare(prompts: Sequence[list[int]], stock: Sequence[list[int]], ours: Sequ
 
 
 def _judge_suffix(prompt, output, logprobs, first: int, epsilon: float) -> str | None:
-    """None if every token of `output` from `first` on is within epsilon of stock's best, else why."""
+    """None if every token of `output` from `first` on is within epsilon of stock's best, else
+    why not."""
     for t in range(first, len(output)):
         pos = len(prompt) + t
         at = logprobs[pos]
@@ -90,7 +91,7 @@ def _judge_suffix(prompt, output, logprobs, first: int, epsilon: float) -> str |
 def parity_waves(vocab_size: int, seed: int = 0) -> list[list[list[int]]]:
     """Prompts (token ids) in waves: wave 0 holds single prompts of varied lengths and the first
     turn of each chat; wave k holds turn k of each chat, which extends turn k-1 (an assistant reply
-    and a new user increment), so later waves reuse cached prefixes. Ids avoid the special tokens."""
+    and a new user increment), so later waves reuse cached prefixes. Ids avoid special tokens."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -179,7 +180,7 @@ class ServerRunner:
 
 
 def run_waves(runner, waves: list[list[list[int]]], max_tokens: int) -> list[list[int]]:
-    """Outputs for every prompt of every wave, in order; each wave starts after the previous ends."""
+    """Outputs for every prompt of every wave, in order; a wave starts after the previous ends."""
     outputs: list[list[int]] = []
     for wave in waves:
         outputs += runner.generate(wave, max_tokens)

@@ -68,8 +68,8 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"vllm serve exited with {self.proc.returncode} during start-up:\n"
-                                  f"{self.log_tail()}")
+                raise ServerError(f"vllm serve exited with {self.proc.returncode} during "
+                                  f"start-up:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:

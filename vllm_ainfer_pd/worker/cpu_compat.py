@@ -55,7 +55,7 @@ def _all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
 
 def _reduce_scatterv(self, input_, dim: int = -1, sizes: list[int] | None = None):
     """Sum `input_` over ranks and return this rank's rows (`sizes[rank]` of them, after the rows of
-    lower ranks). Implemented as a full all-reduce, then a slice: correct, and cheap at test sizes."""
+    lower ranks). A full all-reduce, then a slice: correct, and cheap at test sizes."""
     if dim < 0:
         dim += input_.dim()
     rows = input_.movedim(0, dim).contiguous() if dim != 0 else input_.contiguous()
