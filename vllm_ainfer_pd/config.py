@@ -25,10 +25,25 @@ class AInferPDConfig:
     """
 
     mode: str = "pd"
+    # The P lane (docs/planner.md): prompts with at least this many uncached tokens are prefilled in
+    # the background into reserved KV blocks; shorter ones run inline in the step's batch.
+    p_lane_min_tokens: int = 512
+    # Cap on background prefills in flight; async loads do not count against max_num_seqs.
+    max_p_inflight: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"ainfer_pd.mode={self.mode!r} is not one of {', '.join(MODES)}")
+        if self.p_lane_min_tokens < 2:
+            # The lane computes num_tokens - 1 tokens; fewer than 2 would leave nothing to do.
+            raise ConfigError(f"ainfer_pd.p_lane_min_tokens={self.p_lane_min_tokens!r} must be >= 2")
+        if self.max_p_inflight < 1:
+            raise ConfigError(f"ainfer_pd.max_p_inflight={self.max_p_inflight!r} must be >= 1")
+
+    @property
+    def p_lane_enabled(self) -> bool:
+        """`mode="normal"` has no P lane at all."""
+        return self.mode == "pd"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> AInferPDConfig:

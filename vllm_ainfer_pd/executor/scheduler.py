@@ -1,14 +1,65 @@
-"""The engine's scheduler, chosen by `AInferPDExecutor`.
+"""The engine's scheduler, chosen by `AInferPDExecutor`: the D-first planner (docs/planner.md).
 
-vLLM's scheduler already serves `running` (decode rows and chunked prefills) before it admits new
-prompts from `waiting`, i.e. it is D-first within a step. This subclass is where the P lane's
-admission policy and the reservation of P's KV blocks live (the D-first planner issue).
+vLLM's `Scheduler.schedule()` already serves `running` (decode rows, spec-decode lookahead and
+chunked prefills) before it admits new prompts from `waiting`: D is committed first, and new P gets
+what remains of the token budget and free KV blocks. Admission of new P then splits:
+- short prompts go inline (vLLM's chunked prefill, using the token budget);
+- long ones go to the background P lane through `AInferPDConnector` (async-load protocol: no token
+  budget, KV blocks reserved via `allocate_slots(..., reserved_blocks=...)`, which keeps in-flight
+  reservations from eating running D's future blocks).
+
+Without a KV connector (today's served product) this class behaves exactly like vLLM's Scheduler.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput
+
+from vllm_ainfer_pd.connector import AInferPDConnector, DState
 
 
 class AInferPDScheduler(Scheduler):
-    pass
+    @property
+    def p_lane(self) -> AInferPDConnector | None:
+        """The P lane's connector, or None when the lane is not configured."""
+        connector = self.connector
+        return connector if isinstance(connector, AInferPDConnector) else None
+
+    def schedule(self) -> SchedulerOutput:
+        """vLLM's D-first step, with D occupancy published to the P lane's policy first."""
+        lane = self.p_lane
+        if lane is not None:
+            pool = self.kv_cache_manager.block_pool
+            lane.d_state = DState(
+                num_running=len(self.running),
+                max_num_seqs=self.max_num_running_reqs,
+                free_blocks=pool.get_num_free_blocks(),
+                total_blocks=pool.num_gpu_blocks,
+            )
+        return super().schedule()
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
+        """Drop stale P reports before vLLM acts on them, then mark failed P jobs.
+
+        A report is stale when no job of that request is in flight, or when the worker's metadata
+        (`PLaneWorkerMeta.lifetimes`) names an older lifetime than the job in flight. vLLM would
+        otherwise promote a request on an old job's result, or assert on an unknown id.
+        """
+        lane = self.p_lane
+        if lane is None:
+            super()._update_from_kv_xfer_finished(kv_connector_output)
+            return
+        lifetimes = getattr(kv_connector_output.kv_connector_worker_meta, "lifetimes", {})
+        reported = kv_connector_output.finished_recving or set()
+        current = {r for r in reported if lane.is_current(r, lifetimes.get(r))}
+        # Failures were folded into failed_recving_kv_req_ids by _handle_invalid_blocks (which runs
+        # first in update_from_output); those requests recompute inline, never in the lane again.
+        for req_id in current & self.failed_recving_kv_req_ids:
+            lane.job_done(req_id, failed=True)
+        super()._update_from_kv_xfer_finished(
+            dataclasses.replace(kv_connector_output, finished_recving=current)
+        )

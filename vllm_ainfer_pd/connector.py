@@ -1,0 +1,250 @@
+"""The P lane on vLLM's KV-connector async-load protocol (scheduler side; docs/planner.md).
+
+An admitted background prefill ("P job") is parked by vLLM's scheduler in
+`WAITING_FOR_REMOTE_KVS` with its KV blocks reserved. The worker (a later issue) computes the
+prompt's first `num_tokens - 1` tokens into those blocks and reports the request id in
+`KVConnectorOutput.finished_recving`; vLLM then promotes the request and runs its last prompt token
+as a one-token row in the D batch. vLLM hooks used: `get_num_new_matched_tokens`,
+`update_state_after_alloc`, `build_connector_meta`, `request_finished`, `update_connector_output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from vllm_ainfer_pd.config import AInferPDConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+CONNECTOR_NAME = "AInferPDConnector"
+JobKey = tuple[str, int]  # (request id, lifetime)
+
+
+@dataclass(frozen=True)
+class PJob:
+    """One background prefill: compute KV of `token_ids` (positions `start..end-1`) into `block_ids`
+    (one list per KV cache group). `lifetime` counts the request's P jobs, so a result of an older
+    job of the same request is recognisably stale."""
+
+    req_id: str
+    lifetime: int
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def key(self) -> JobKey:
+        return (self.req_id, self.lifetime)
+
+
+@dataclass
+class PLaneMetadata(KVConnectorMetadata):
+    """Shipped to every worker each step: jobs to start and request ids to cancel (aborted while
+    parked; the worker must still report them in `finished_recving` once their P has drained)."""
+
+    new_jobs: list[PJob] = field(default_factory=list)
+    cancelled: list[JobKey] = field(default_factory=list)
+
+
+@dataclass
+class PLaneWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the lifetime of each job reported in `finished_recving` this step, so
+    the scheduler can drop a report that belongs to an older job of the same request."""
+
+    lifetimes: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PLaneWorkerMeta:
+        return PLaneWorkerMeta({**self.lifetimes, **getattr(other, "lifetimes", {})})
+
+
+@dataclass(frozen=True)
+class DState:
+    """What the planner publishes before each step (scheduler -> connector)."""
+
+    num_running: int = 0
+    max_num_seqs: int = 1
+    free_blocks: int = 0
+    total_blocks: int = 1
+
+
+class AInferPDConnector(KVConnectorBase_V1):
+    """Admission policy and P-job bookkeeping of the P lane.
+
+    Policy, asked once per step for each fresh prompt after vLLM has committed the step's D rows:
+    - inline (`(0, False)`): the lane is off (`mode="normal"`), the prompt has fewer than
+      `p_lane_min_tokens` uncached tokens, or its P already failed in the lane (it recomputes
+      inline, so a broken worker cannot loop a request forever);
+    - wait (`(None, False)`, asked again next step; later prompts may still go): the lane is full
+      (`max_p_inflight` jobs, P pressure), or reserving the prompt's blocks would leave fewer free
+      blocks than running D rows (D occupancy: each running row keeps one block of headroom to
+      grow, so a parked P, which vLLM cannot preempt, does not force D's preemption);
+    - background (`(num_tokens - 1 - local, True)`): otherwise. vLLM's `allocate_slots(...,
+      reserved_blocks=...)` then admits it only if it fits beside in-flight reservations.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.config = AInferPDConfig.from_dict(extra.get("ainfer_pd"))
+        self.inflight: dict[str, PJob] = {}  # req id -> its job in flight (one at most)
+        self.lifetimes: dict[str, int] = {}  # req id -> lifetime of its next job
+        self.failed: set[str] = set()  # req ids whose P failed: they recompute inline
+        self.d_state = DState()
+        self._new_jobs: list[PJob] = []
+        self._cancelled: list[JobKey] = []
+        self._pending: dict[str, int] = {}  # req id -> blocks admitted this step, not allocated
+        self._step_blocks = 0  # blocks admitted to the lane this step
+        self.block_size = vllm_config.cache_config.block_size
+
+    # ---- policy -------------------------------------------------------------------------------
+
+    def admits(self, request: Request, num_local_computed: int) -> bool | None:
+        """True: background lane; False: inline; None: wait (see the class docstring)."""
+        uncached = request.num_tokens - 1 - num_local_computed
+        if (
+            not self.config.p_lane_enabled
+            or request.request_id in self.failed
+            or uncached < self.config.p_lane_min_tokens
+        ):
+            return False
+        if len(self.inflight) + len(self._pending) >= self.config.max_p_inflight:
+            return None
+        need = self._blocks_for(request.num_tokens)  # includes the promoted last token's slot
+        # Blocks of this step's earlier admissions are not in d_state yet (published before the
+        # step); inline admissions are left to allocate_slots, which still guards the pool.
+        if self.d_state.free_blocks - self._step_blocks - need < self.d_state.num_running:
+            return None
+        self._pending[request.request_id] = need
+        self._step_blocks += need
+        return True
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- scheduler-side hooks -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        admitted = self.admits(request, num_computed_tokens)
+        if not admitted:
+            return (None if admitted is None else 0), False
+        return request.num_tokens - 1 - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        admitted = self._pending.pop(req_id, None) is not None
+        if num_external_tokens == 0 or not admitted:
+            return  # inline prefill, or the second call after promotion
+        n = num_external_tokens
+        lifetime = self.lifetimes.get(req_id, 0)
+        self.lifetimes[req_id] = lifetime + 1
+        end = request.num_tokens - 1
+        job = PJob(
+            req_id=req_id,
+            lifetime=lifetime,
+            token_ids=tuple(request.all_token_ids[end - n : end]),
+            start=end - n,
+            end=end,
+            block_ids=tuple(tuple(g) for g in blocks.get_block_ids()),
+        )
+        self.inflight[req_id] = job
+        self._new_jobs.append(job)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PLaneMetadata:
+        # A request admitted but not allocated (allocate_slots refused it) is retried next step.
+        self._pending.clear()
+        self._step_blocks = 0
+        meta = PLaneMetadata(new_jobs=self._new_jobs, cancelled=self._cancelled)
+        self._new_jobs, self._cancelled = [], []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the free while a job is in flight: the worker may still be writing the blocks."""
+        self.lifetimes.pop(request.request_id, None)
+        self.failed.discard(request.request_id)
+        job = self.inflight.get(request.request_id)
+        if job is None:
+            return False, None
+        self._cancelled.append(job.key)
+        return True, None
+
+    def is_current(self, req_id: str, lifetime: int | None) -> bool:
+        """Whether a worker report for (`req_id`, `lifetime`) matches the job in flight; a report
+        with no lifetime matches any job of `req_id`."""
+        job = self.inflight.get(req_id)
+        return job is not None and (lifetime is None or lifetime == job.lifetime)
+
+    def job_done(self, req_id: str, failed: bool = False) -> None:
+        """The worker reported the job of `req_id` drained (completed, cancelled or failed)."""
+        self.inflight.pop(req_id, None)
+        if failed:
+            self.failed.add(req_id)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # The scheduler (AInferPDScheduler) has filtered stale reports out before this call.
+        for req_id in connector_output.finished_recving or ():
+            self.job_done(req_id)
+
+    # ---- worker-side hooks (the worker side is a later issue) ---------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # also fires inside P's own forward: must not block
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+
+def register_connector() -> None:
+    """Register `AInferPDConnector` with vLLM's `KVConnectorFactory`; safe to call repeatedly."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+
+
+def kv_transfer_config_for(config: AInferPDConfig) -> dict[str, Any] | None:
+    """The `kv_transfer_config` (as a dict for `KVTransferConfig(**...)`) that turns the P lane on,
+    or None for `mode="normal"` (no P lane, no connector). Failed P jobs recompute inline."""
+    if not config.p_lane_enabled:
+        return None
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "ainfer_pd": {
+                "mode": config.mode,
+                "p_lane_min_tokens": config.p_lane_min_tokens,
+                "max_p_inflight": config.max_p_inflight,
+            }
+        },
+    }
