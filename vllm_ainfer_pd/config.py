@@ -21,7 +21,8 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class AInferPDConfig:
     """`mode="pd"`: the product, P/D multiplexing on. `mode="normal"`: the same engine, kernels and
-    classes with P/D multiplexing off (the paper's matched baseline, for layouts stock vLLM cannot run).
+    classes with P/D multiplexing off (the paper's matched baseline, for layouts stock vLLM cannot
+    run).
     """
 
     mode: str = "pd"
@@ -36,7 +37,9 @@ class AInferPDConfig:
             raise ConfigError(f"ainfer_pd.mode={self.mode!r} is not one of {', '.join(MODES)}")
         if self.p_lane_min_tokens < 2:
             # The lane computes num_tokens - 1 tokens; fewer than 2 would leave nothing to do.
-            raise ConfigError(f"ainfer_pd.p_lane_min_tokens={self.p_lane_min_tokens!r} must be >= 2")
+            raise ConfigError(
+                f"ainfer_pd.p_lane_min_tokens={self.p_lane_min_tokens!r} must be >= 2"
+            )
         if self.max_p_inflight < 1:
             raise ConfigError(f"ainfer_pd.max_p_inflight={self.max_p_inflight!r} must be >= 1")
 

@@ -10,6 +10,7 @@ import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -32,6 +33,7 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 256,
     failure_policy: str = "recompute",
+    cls: type[Scheduler] = AInferPDScheduler,
 ) -> AInferPDScheduler:
     """A real scheduler; `lane` are ainfer_pd options for the connector (None: defaults)."""
     register_connector()
@@ -66,7 +68,7 @@ def make_scheduler(
             )
         ],
     )
-    return AInferPDScheduler(
+    return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
