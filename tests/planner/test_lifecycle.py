@@ -150,3 +150,17 @@ def test_failed_p_with_fail_policy_finishes_the_request_with_an_error(tiny_model
     assert p.request_id not in s.requests
     assert free_blocks(s) == initial
     assert s.p_lane.inflight == {}
+
+
+def test_abort_after_the_drain_report_but_before_promotion_frees_at_once(tiny_model: str) -> None:
+    s = make_scheduler(tiny_model, lane=LANE)
+    initial = free_blocks(s)
+    p = make_request(100)
+    s.add_request(p)
+    step(s)
+    step(s, finished_recving={p.request_id})  # reported; promotion would be at the next step
+    s.finish_requests(p.request_id, RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(s) == initial
+    out = step(s)
+    assert out.kv_connector_metadata.cancelled == []  # nothing left for the worker to drain
+    assert p.request_id not in s.requests
