@@ -14,8 +14,10 @@ from vllm_ainfer_pd.connector import CONNECTOR_NAME, kv_transfer_config_for, reg
 
 def _trace(scheduler: Scheduler) -> list[dict[str, int]]:
     """Per-step scheduled tokens of a fixed workload: long and short prompts, an abort."""
-    reqs = [make_request(n, max_tokens=m, req_id=f"q{i}") for i, (n, m) in
-            enumerate([(300, 4), (20, 6), (100, 3), (40, 5)])]
+    reqs = [
+        make_request(n, max_tokens=m, req_id=f"q{i}")
+        for i, (n, m) in enumerate([(300, 4), (20, 6), (100, 3), (40, 5)])
+    ]
     trace = []
     for i, r in enumerate(reqs):
         scheduler.add_request(r)
