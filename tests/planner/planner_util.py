@@ -105,7 +105,8 @@ def step(
     that reaches the end of its prompt) carrying the given P-lane reports."""
     from vllm_ainfer_pd.connector import PLaneWorkerMeta
 
-    out = scheduler.schedule()
+    # Positional, as EngineCore calls it (`schedule(self._should_throttle_prefills())`).
+    out = scheduler.schedule(False)
     req_ids = list(out.num_scheduled_tokens)
     sampled = []
     for rid in req_ids:

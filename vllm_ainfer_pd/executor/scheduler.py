@@ -29,8 +29,9 @@ class AInferPDScheduler(Scheduler):
         connector = self.connector
         return connector if isinstance(connector, AInferPDConnector) else None
 
-    def schedule(self) -> SchedulerOutput:
-        """vLLM's D-first step, with D occupancy published to the P lane's policy first."""
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """vLLM's D-first step, with D occupancy published to the P lane's policy first.
+        `throttle_prefills` is vLLM's DP prefill cadence flag (EngineCore passes it), unchanged."""
         lane = self.p_lane
         if lane is not None:
             pool = self.kv_cache_manager.block_pool
@@ -40,7 +41,7 @@ class AInferPDScheduler(Scheduler):
                 free_blocks=pool.get_num_free_blocks(),
                 total_blocks=pool.num_gpu_blocks,
             )
-        return super().schedule()
+        return super().schedule(throttle_prefills)
 
     def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
         """Drop stale P reports before vLLM acts on them, then mark failed P jobs.
