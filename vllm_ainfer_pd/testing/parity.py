@@ -36,10 +36,6 @@ class ParityReport:
         head = f"parity: exact={self.exact} tie={self.tie} fail={self.fail}"
         return "\n".join([head, *self.details])
 
-    def merge(self, other: ParityReport) -> ParityReport:
-        return ParityReport(self.exact + other.exact, self.tie + other.tie,
-                            self.fail + other.fail, self.details + other.details)
-
 
 def compare(prompts: Sequence[list[int]], stock: Sequence[list[int]], ours: Sequence[list[int]],
             teacher_force: TeacherForce, epsilon: float = TIE_EPSILON) -> ParityReport:
