@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("pd", "normal")
+ORDERINGS = ("fine", "global-enqueue", "global-complete")
+SEGMENT_POLICIES = ("fixed", "load")
+RENDEZVOUS = ("shm", "gloo")
 
 
 class ConfigError(Exception):
@@ -31,6 +34,15 @@ class AInferPDConfig:
     p_lane_min_tokens: int = 512
     # Cap on background prefills in flight; async loads do not count against max_num_seqs.
     max_p_inflight: int = 4
+    # The turnstile in the worker (docs/worker.md): how D is ordered against a P epoch (the
+    # ordering ladder), how many layer boundaries one release lets P pass (K, or chosen per round
+    # from D occupancy and P pressure), the CPU rendezvous between ranks, and the bound on every
+    # distributed wait (a hang becomes an error naming the rank and what it waited for).
+    ordering: str = "fine"
+    segment_policy: str = "fixed"
+    segment_span: int = 1
+    rendezvous: str = "shm"
+    timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -42,6 +54,18 @@ class AInferPDConfig:
             )
         if self.max_p_inflight < 1:
             raise ConfigError(f"ainfer_pd.max_p_inflight={self.max_p_inflight!r} must be >= 1")
+        for name, choices in (
+            ("ordering", ORDERINGS),
+            ("segment_policy", SEGMENT_POLICIES),
+            ("rendezvous", RENDEZVOUS),
+        ):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"ainfer_pd.{name}={value!r} is not one of {', '.join(choices)}")
+        if self.segment_span < 1:
+            raise ConfigError(f"ainfer_pd.segment_span={self.segment_span!r} must be >= 1")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"ainfer_pd.timeout_s={self.timeout_s!r} must be > 0")
 
     @property
     def p_lane_enabled(self) -> bool:
@@ -60,6 +84,8 @@ class AInferPDConfig:
             )
         for name, value in raw.items():
             expected = type(known[name].default)
+            if expected is float and type(value) is int:
+                value = raw[name] = float(value)
             if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
                 raise ConfigError(
                     f"ainfer_pd.{name}={value!r} must be of type {expected.__name__}"

@@ -10,6 +10,7 @@ as a one-token row in the D batch. vLLM hooks used: `get_num_new_matched_tokens`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from vllm_ainfer_pd.worker.p_lane import PLane
 
 CONNECTOR_NAME = "AInferPDConnector"
 JobKey = tuple[str, int]  # (request id, lifetime)
@@ -113,6 +116,9 @@ class AInferPDConnector(KVConnectorBase_V1):
         self._pending: dict[str, int] = {}  # req id -> blocks admitted this step, not allocated
         self._step_blocks = 0  # blocks admitted to the lane this step
         self.block_size = vllm_config.cache_config.block_size
+        # Worker role: this step's reports (get_finished -> errors -> worker meta, in that order).
+        self._reported: list[tuple[PJob, bool]] = []
+        self._failed_blocks: set[int] = set()
 
     # ---- policy -------------------------------------------------------------------------------
 
@@ -208,10 +214,41 @@ class AInferPDConnector(KVConnectorBase_V1):
         for req_id in connector_output.finished_recving or ():
             self.job_done(req_id)
 
-    # ---- worker-side hooks (the worker side is a later issue) ---------------------------------
+    # ---- worker-side hooks: hand jobs to the worker's P lane, report what drained ---------------
+
+    lane: PLane | None = None  # set by AInferPDWorker on the worker-role instance
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return None
+        if self.lane is not None:
+            self.lane.accept(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Jobs whose P work drained, as `finished_recving` (aborted requests arrive as cancels in
+        the metadata, so `finished_req_ids` needs no action). Failed jobs also name their blocks
+        in `get_block_ids_with_load_errors`, and vLLM recomputes them."""
+        if self.lane is None:
+            return None, None
+        reports = self.lane.take_reports()
+        self._reported = reports
+        self._failed_blocks = set()
+        for job, failed in reports:
+            if failed:
+                self._failed_blocks.update(self._written_blocks(job))
+        return None, {job.req_id for job, _ in reports} or None
+
+    def _written_blocks(self, job: PJob) -> list[int]:
+        """The blocks a job writes (its cached prefix blocks are shared and stay valid)."""
+        first, last = job.start // self.block_size, (job.end - 1) // self.block_size
+        return [b for group in job.block_ids for b in group[first : last + 1]]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._failed_blocks
+
+    def build_connector_worker_meta(self) -> PLaneWorkerMeta | None:
+        reports, self._reported = self._reported, []
+        if not reports:
+            return None
+        return PLaneWorkerMeta({job.req_id: job.lifetime for job, _ in reports})
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # also fires inside P's own forward: must not block
@@ -240,11 +277,5 @@ def kv_transfer_config_for(config: AInferPDConfig) -> dict[str, Any] | None:
         "kv_connector": CONNECTOR_NAME,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "ainfer_pd": {
-                "mode": config.mode,
-                "p_lane_min_tokens": config.p_lane_min_tokens,
-                "max_p_inflight": config.max_p_inflight,
-            }
-        },
+        "kv_connector_extra_config": {"ainfer_pd": dataclasses.asdict(config)},
     }

@@ -35,15 +35,18 @@ def register() -> None:
     """Entry point. Idempotent and cheap: it runs in every vLLM process, the API server too."""
     from vllm.v1.executor.abstract import Executor
 
+    from vllm_ainfer_pd.connector import register_connector
+
+    register_connector()  # the P lane's KV connector, resolved by name in every process
     if getattr(Executor.get_class, "_ainfer_pd", False):
         return
     stock_get_class = Executor.get_class
 
     def get_class(vllm_config):
         if vllm_config.parallel_config.distributed_executor_backend == BACKEND_NAME:
-            from vllm_ainfer_pd.executor import AInferPDExecutor
+            from vllm_ainfer_pd.executor import AInferPDExecutor, configure_p_lane
 
-            AInferPDExecutor.validate(vllm_config)
+            configure_p_lane(vllm_config, AInferPDExecutor.validate(vllm_config))
             return AInferPDExecutor
         return stock_get_class(vllm_config)
 

@@ -59,8 +59,31 @@ class AInferPDExecutor(MultiprocExecutor):
 
     def _init_executor(self) -> None:
         self.ainfer_pd_config = self.validate(self.vllm_config)
+        configure_p_lane(self.vllm_config, self.ainfer_pd_config)
         # These mutations are seen by EngineCore and the workers it spawns (the config is pickled
         # to them), not by the API server's copy.
         self.parallel_config.worker_cls = WORKER_CLS
         self.vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
         super()._init_executor()
+
+
+def configure_p_lane(vllm_config, config: AInferPDConfig) -> None:
+    """Point vLLM's KV-connector slot at the P lane (`mode="pd"`). Runs in the frontend too (via
+    the plugin), so its stat loggers export the lane's metrics, and again in EngineCore, before
+    the workers are spawned and the scheduler is built. Idempotent."""
+    from vllm.config import KVTransferConfig
+
+    from vllm_ainfer_pd.connector import CONNECTOR_NAME, kv_transfer_config_for, register_connector
+
+    raw = kv_transfer_config_for(config)
+    current = vllm_config.kv_transfer_config
+    if raw is None or (current is not None and current.kv_connector == CONNECTOR_NAME):
+        return
+    if current is not None and current.kv_connector is not None:
+        raise ConfigError(
+            f"ainfer_pd mode='pd' runs its P lane in vLLM's KV-connector slot, which "
+            f"--kv-transfer-config already gives to {current.kv_connector!r}; use "
+            f"mode='normal' or drop the other connector"
+        )
+    register_connector()
+    vllm_config.kv_transfer_config = KVTransferConfig(**raw)

@@ -2,12 +2,23 @@
 
 The base class is the platform's own worker (CPUWorker on CPU, the V1 GPU Worker on CUDA), chosen
 when this module is imported in the worker process, so the same class name serves both platforms.
-This is where the turnstile, the background P thread and the decoder-layer boundary hooks attach.
+With the P lane on (`mode="pd"`), each D iteration is wrapped in one turnstile round of the lane
+(`p_lane.PLane`): a D iteration is every `execute_model` call at DP=1 (0-token steps too: they
+happen while every request is parked in P), and a real or dummy forward at DP>1, the only calls
+that all DP ranks make together.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 from vllm.platforms import current_platform
+
+from vllm_ainfer_pd.config import AInferPDConfig
+
+logger = logging.getLogger(__name__)
+SUMMARY_INTERVAL_S = 60.0
 
 
 def _platform_worker_cls() -> type:
@@ -21,14 +32,16 @@ def _platform_worker_cls() -> type:
 
 
 class AInferPDWorker(_platform_worker_cls()):
-    def ainfer_pd_status(self) -> dict:
-        """Per-rank status over `collective_rpc("ainfer_pd_status")`: which worker and mode run."""
-        from vllm_ainfer_pd.config import AInferPDConfig
+    p_lane = None
 
+    def ainfer_pd_status(self) -> dict:
+        """Per-rank status over `collective_rpc("ainfer_pd_status")`: worker, mode, lane counters."""
+        lane = self.p_lane
         return {
             "worker": type(self).__name__,
             "rank": self.rank,
             "mode": AInferPDConfig.from_vllm_config(self.vllm_config).mode,
+            "p_lane": lane.stats.as_dict() if lane is not None else None,
         }
 
     def init_device(self) -> None:
@@ -39,3 +52,82 @@ class AInferPDWorker(_platform_worker_cls()):
 
             cpu_compat.install()
         super().init_device()
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        super().initialize_from_config(kv_cache_config)  # builds the KV cache and the connector
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        from vllm_ainfer_pd.connector import AInferPDConnector
+
+        if not has_kv_transfer_group():
+            return
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, AInferPDConnector):
+            return
+        from vllm_ainfer_pd.worker.p_lane import PLane
+
+        config = connector.config
+        self.p_lane = PLane(self.model_runner, config, self.rank, self._rendezvous(config))
+        connector.lane = self.p_lane
+        self._dp_size = self.vllm_config.parallel_config.data_parallel_size
+        self._max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
+        self._last_summary = time.monotonic()
+
+    def _rendezvous(self, config: AInferPDConfig):
+        """The all-rank CPU rendezvous of the turnstile, over every rank whose collectives P and D
+        share (the world group: TP, and DP x EP ranks). Collective: every rank builds it."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        from vllm_ainfer_pd.turnstile import GlooRendezvous, NullRendezvous, ShmRendezvous
+
+        world = get_world_group()
+        if world.world_size == 1:
+            return NullRendezvous(config.timeout_s)
+        if config.rendezvous == "gloo":
+            return GlooRendezvous(world.cpu_group, timeout_s=config.timeout_s, name="p_lane")
+        return ShmRendezvous.from_group(world.cpu_group, timeout_s=config.timeout_s)
+
+    def execute_model(self, scheduler_output):
+        lane = self.p_lane
+        if lane is None:
+            return super().execute_model(scheduler_output)
+        d_tokens = scheduler_output.total_num_scheduled_tokens
+        d_iteration = self._dp_size == 1 or d_tokens > 0
+        if d_iteration:
+            lane.before_d()
+        output = super().execute_model(scheduler_output)
+        if d_iteration:
+            lane.after_d(self._load(scheduler_output), d_tokens)
+            self._maybe_log_summary()
+        return output
+
+    def execute_dummy_batch(self) -> None:
+        lane = self.p_lane
+        if lane is None:
+            return super().execute_dummy_batch()
+        lane.before_d()
+        super().execute_dummy_batch()
+        lane.after_d(None, 0)
+
+    def _load(self, scheduler_output):
+        """Rank-shared load for the segment policy: the step's D rows over the batch size, and
+        queued P tokens over the step's token budget."""
+        from vllm_ainfer_pd.turnstile import Load
+
+        rows = len(scheduler_output.num_scheduled_tokens)
+        queued = sum(j.end - j.start for j in self.p_lane.pending)
+        budget = self.vllm_config.scheduler_config.max_num_batched_tokens
+        return Load(d_occupancy=min(rows / self._max_num_seqs, 1.0), p_pressure=queued / budget)
+
+    def _maybe_log_summary(self) -> None:
+        now = time.monotonic()
+        if now - self._last_summary >= SUMMARY_INTERVAL_S and self.p_lane.stats.epochs:
+            self._last_summary = now
+            logger.info("%s", self.p_lane.summary())
+
+    def shutdown(self) -> None:
+        lane = self.p_lane
+        if lane is not None:
+            logger.info("%s", lane.summary())
+            lane.close()
+        super().shutdown()

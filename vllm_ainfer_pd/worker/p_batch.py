@@ -1,0 +1,127 @@
+"""Inputs and attention metadata of one P epoch: a batched eager prefill of P jobs into their
+reserved KV blocks (docs/worker.md).
+
+Built from the jobs alone, never from the model runner's persistent buffers or `InputBatch`
+(those belong to D), with the P lane's own attention-metadata builders: builders may keep
+persistent state, so D's must not be shared with P.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from vllm_ainfer_pd.connector import PJob
+
+
+@dataclass
+class PBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: dict[str, Any]  # layer name -> that layer's metadata
+    slot_mapping: dict[str, torch.Tensor]  # layer name -> KV slot of each P token
+    num_tokens: int
+
+
+class PBatchBuilder:
+    """Builds `PBatch`es for one model runner's KV cache groups."""
+
+    def __init__(self, runner: Any) -> None:
+        self.device = runner.device
+        self.vllm_config = runner.vllm_config
+        self.groups: list[tuple[int, int, list[Any]]] = []  # (kernel bs, per kv block, builders)
+        for gid, attn_groups in enumerate(runner.attn_groups):
+            table = runner.input_batch.block_table[gid]
+            builders = []
+            for group in attn_groups:
+                d_builder = group.get_metadata_builder()
+                builders.append(
+                    (
+                        group.layer_names,
+                        type(d_builder)(
+                            d_builder.kv_cache_spec, group.layer_names, self.vllm_config, self.device
+                        ),
+                    )
+                )
+            self.groups.append((table.block_size, table.blocks_per_kv_block, builders))
+        if not self.groups:
+            raise ValueError("the P lane needs a model with attention KV cache groups")
+
+    def build(self, jobs: list[PJob]) -> PBatch:
+        ids = np.concatenate([np.asarray(j.token_ids, dtype=np.int64) for j in jobs])
+        positions = np.concatenate([np.arange(j.start, j.end, dtype=np.int64) for j in jobs])
+        query_lens = np.array([j.end - j.start for j in jobs], dtype=np.int32)
+        seq_lens = np.array([j.end for j in jobs], dtype=np.int32)
+        query_start = np.zeros(len(jobs) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        query_start_cpu = torch.from_numpy(query_start)
+        seq_lens_cpu = torch.from_numpy(seq_lens)
+        common = dict(
+            query_start_loc=to_dev(query_start),
+            query_start_loc_cpu=query_start_cpu,
+            seq_lens=to_dev(seq_lens),
+            _seq_lens_cpu=seq_lens_cpu,
+            _num_computed_tokens_cpu=torch.from_numpy(seq_lens - query_lens),
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            num_reqs=len(jobs),
+            num_actual_tokens=int(ids.shape[0]),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            causal=True,
+            is_prefilling=torch.ones(len(jobs), dtype=torch.bool, device=dev),
+            positions=to_dev(positions),
+        )
+        attn_metadata: dict[str, Any] = {}
+        slot_mapping: dict[str, torch.Tensor] = {}
+        for gid, (kernel_bs, per_kv_block, builders) in enumerate(self.groups):
+            table, slots = _kernel_blocks(jobs, gid, kernel_bs, per_kv_block)
+            cm = CommonAttentionMetadata(
+                block_table_tensor=to_dev(table), slot_mapping=to_dev(slots), **common
+            )
+            for layer_names, builder in builders:
+                md = builder.build(common_prefix_len=0, common_attn_metadata=cm)
+                for name in layer_names:
+                    attn_metadata[name] = md
+                    slot_mapping[name] = cm.slot_mapping
+        return PBatch(
+            input_ids=to_dev(ids),
+            positions=common["positions"],
+            attn_metadata=attn_metadata,
+            slot_mapping=slot_mapping,
+            num_tokens=int(ids.shape[0]),
+        )
+
+
+def _kernel_blocks(
+    jobs: list[PJob], gid: int, kernel_bs: int, per_kv_block: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Block table rows (kernel block ids, padded with 0, the null block) and the KV slot of each
+    P token. A KV-manager block holds `per_kv_block` kernel blocks when their sizes differ."""
+    rows = []
+    for job in jobs:
+        manager = np.asarray(job.block_ids[gid], dtype=np.int64)
+        kernel = (manager[:, None] * per_kv_block + np.arange(per_kv_block)).reshape(-1)
+        rows.append(kernel)
+    width = max(len(r) for r in rows)
+    table = np.zeros((len(jobs), width), dtype=np.int32)
+    slots = []
+    for i, (job, row) in enumerate(zip(jobs, rows, strict=True)):
+        table[i, : len(row)] = row
+        pos = np.arange(job.start, job.end)
+        if (job.end - 1) // kernel_bs >= len(row):
+            raise ValueError(
+                f"P job {job.req_id!r} needs {job.end} token slots but holds {len(row)} "
+                f"blocks of {kernel_bs}"
+            )
+        slots.append(row[pos // kernel_bs] * kernel_bs + pos % kernel_bs)
+    return table, np.concatenate(slots).astype(np.int64)

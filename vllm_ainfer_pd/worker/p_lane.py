@@ -1,0 +1,322 @@
+"""The P lane's device side: segmented background prefill driven by the turnstile (docs/worker.md).
+
+Per rank, once per D iteration, on the worker's main thread:
+
+    lane.before_d()           # P is stopped at its permit; pre-D rendezvous (only with P open)
+    ...vLLM's D step...       # the connector hands new P jobs and cancels to `lane.accept`
+    lane.after_d(load)        # post-D rendezvous; release the next K boundaries; P runs them
+
+A P epoch is one eager forward over the jobs queued when it opens: a batched prefill of their
+uncached prompt tokens into their reserved KV blocks. The P thread runs the decoder's own layers
+and publishes boundary 0 before the embedding and boundary i + 1 before layer i, so D's compiled
+or graph-captured forward is untouched. One thread runs model code at a time: the main thread
+waits while a released segment's host work runs (the cooperative hand-off of vLLM's dual-batch
+overlap), and each side installs its own forward context. With no epoch open the lane costs one
+branch per step: no rendezvous, no thread hand-off.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm.forward_context as forward_context
+from vllm.config import CUDAGraphMode
+
+from vllm_ainfer_pd.config import AInferPDConfig
+from vllm_ainfer_pd.turnstile import (
+    Load,
+    NullRendezvous,
+    Rendezvous,
+    SegmentController,
+    TaskState,
+    Turnstile,
+    make_policy,
+)
+from vllm_ainfer_pd.worker.p_batch import PBatchBuilder
+
+if TYPE_CHECKING:
+    from vllm_ainfer_pd.connector import JobKey, PJob, PLaneMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaneStats:
+    """Counters of one rank since start (times in seconds). Exported as `vllm_ainfer_pd_*`."""
+
+    epochs: int = 0
+    segments: int = 0
+    segments_after_d: int = 0  # segments released right after a D forward that had tokens
+    jobs_done: int = 0
+    jobs_cancelled: int = 0
+    jobs_failed: int = 0
+    p_tokens: int = 0
+    rounds: int = 0  # D iterations with a P epoch open
+    d_wait_s: float = 0.0  # the main thread waited for P's host work to stop at its permit
+    p_permit_wait_s: float = 0.0  # P waited parked for its next permit
+    p_enqueue_s: float = 0.0  # P's host time issuing segments
+    rendezvous_s: float = 0.0
+    inflight: int = 0  # P jobs queued or running (a gauge)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class _Epoch:
+    id: int
+    jobs: list[PJob]
+    thread: threading.Thread | None = None
+    event: Any = None  # GPU: recorded on P's stream after the last segment
+    error: BaseException | None = None
+    outer_context: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class PLane:
+    def __init__(
+        self,
+        runner: Any,
+        config: AInferPDConfig,
+        rank: int,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.rank = rank
+        self.vllm_config = runner.vllm_config
+        decoder = runner.get_model().model
+        if not hasattr(decoder, "layers") or not hasattr(decoder, "embed_input_ids"):
+            raise TypeError(
+                f"the P lane drives decoder layers itself and does not know "
+                f"{type(decoder).__name__} (it needs .embed_input_ids and .layers)"
+            )
+        self.decoder = decoder
+        self.layers = list(decoder.layers)
+        self.builder = PBatchBuilder(runner)
+        self.controller = SegmentController(rank=rank, span=config.segment_span,
+                                            timeout_s=config.timeout_s)
+        self.turnstile = Turnstile(
+            self.controller,
+            rendezvous or NullRendezvous(config.timeout_s),
+            make_policy(config.segment_policy, k=config.segment_span),
+            config.ordering,
+            # The lane ends an epoch in `after_d`, so it fences there (`_end_epoch`); the
+            # turnstile's own pre-D fence never sees a finished epoch.
+            device_fence=lambda epoch: None,
+        )
+        self.pending: collections.deque[PJob] = collections.deque()
+        self.cancelled: set[JobKey] = set()
+        self.epoch: _Epoch | None = None
+        self.finishing: list[_Epoch] = []  # finished on the host; GPU work may still run
+        self.reports: list[tuple[PJob, bool]] = []  # (job, failed) ready for get_finished
+        self.stats = LaneStats()
+        self._next_epoch = 0
+        self._threads = torch.get_num_threads()
+        self.is_cuda = runner.device.type == "cuda"
+        self.p_stream = torch.cuda.Stream(device=runner.device) if self.is_cuda else None
+
+    # ---- connector side (main thread, inside vLLM's step) -------------------------------------
+
+    def accept(self, meta: PLaneMetadata) -> None:
+        """New jobs and cancels of this step. A cancelled job that has not started is dropped and
+        reported at once; one in the running epoch drains with it and is reported after."""
+        self.pending.extend(meta.new_jobs)
+        for key in meta.cancelled:
+            self.cancelled.add(key)
+            for job in list(self.pending):
+                if job.key == key:
+                    self.pending.remove(job)
+                    self.reports.append((job, False))
+                    self.stats.jobs_cancelled += 1
+        self.stats.inflight = self._inflight()
+
+    def take_reports(self) -> list[tuple[PJob, bool]]:
+        """Jobs whose P work has drained (completed, cancelled or failed), each reported once."""
+        self._collect_finished()
+        out, self.reports = self.reports, []
+        for job, _ in out:
+            self.cancelled.discard(job.key)
+        self.stats.inflight = self._inflight()
+        return out
+
+    def _inflight(self) -> int:
+        running = len(self.epoch.jobs) if self.epoch else 0
+        return len(self.pending) + running + sum(len(e.jobs) for e in self.finishing)
+
+    # ---- the turnstile round (main thread) ----------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.epoch is not None
+
+    def before_d(self) -> None:
+        if self.epoch is None:
+            return
+        record = self.turnstile.pre_d()
+        self.stats.d_wait_s += record.p_wait_s
+        self.stats.rendezvous_s += record.rendezvous_s
+        self.stats.rounds += 1
+
+    def after_d(self, load: Load | None = None, d_tokens: int = 0) -> None:
+        """Release P's next segment after this round's D, or open an epoch for queued jobs, then
+        wait until P stops again (its host work for the segment is done)."""
+        if self.epoch is not None:
+            start = time.perf_counter()
+            self.turnstile.post_d(load)
+            self.stats.rendezvous_s += time.perf_counter() - start
+        elif self.pending:
+            self._open_epoch(load)
+        else:
+            return
+        self.stats.segments += 1
+        if d_tokens:
+            self.stats.segments_after_d += 1
+        start = time.perf_counter()
+        try:
+            status = self.controller.wait_parked()
+        except Exception as exc:  # the producer failed: its jobs fail, D goes on
+            self.stats.d_wait_s += time.perf_counter() - start
+            self._end_epoch(failed=exc)
+            return
+        self.stats.d_wait_s += time.perf_counter() - start
+        if status.state is not TaskState.PARKED:
+            self._end_epoch(failed=self.epoch.error if self.epoch else None)
+
+    def _open_epoch(self, load: Load | None) -> None:
+        jobs = [j for j in self.pending if j.key not in self.cancelled]
+        self.pending.clear()
+        epoch = _Epoch(self._next_epoch, jobs)
+        self._next_epoch += 1
+        self.stats.epochs += 1
+        self.stats.p_tokens += sum(j.end - j.start for j in jobs)
+        self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
+        if self.p_stream is not None:
+            # P reads prefix blocks D wrote in earlier steps: order P after all of D's work so far.
+            self.p_stream.wait_stream(torch.cuda.current_stream())
+        epoch.thread = threading.Thread(
+            target=self._run_epoch, args=(epoch,), name=f"ainfer-pd-P{self.rank}", daemon=True
+        )
+        self.epoch = epoch
+        epoch.thread.start()
+
+    def _end_epoch(self, failed: BaseException | None) -> None:
+        epoch = self.epoch
+        assert epoch is not None
+        self.epoch = None
+        epoch.thread.join(timeout=self.config.timeout_s)
+        if failed is not None:
+            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, failed)
+            for job in epoch.jobs:
+                self.reports.append((job, True))
+            self.stats.jobs_failed += len(epoch.jobs)
+            return
+        if self.turnstile.mode.fences_device and epoch.event is not None:
+            epoch.event.synchronize()  # global-complete: D waits for the whole P on the device
+        self.finishing.append(epoch)
+        self._collect_finished()
+
+    def _collect_finished(self) -> None:
+        """Report the jobs of epochs whose device work completed (at once on CPU)."""
+        still = []
+        for epoch in self.finishing:
+            if epoch.event is not None and not epoch.event.query():
+                still.append(epoch)
+                continue
+            for job in epoch.jobs:
+                self.reports.append((job, False))
+                if job.key in self.cancelled:
+                    self.stats.jobs_cancelled += 1
+                else:
+                    self.stats.jobs_done += 1
+        self.finishing = still
+
+    # ---- the P thread --------------------------------------------------------------------------
+
+    def _boundary(self, epoch: _Epoch, boundary: int) -> None:
+        """Publish `boundary`; if it is the permit, hand the forward context back and park."""
+        mine = forward_context._forward_context
+        forward_context._forward_context = epoch.outer_context
+        now = time.perf_counter()
+        self.stats.p_enqueue_s += now - epoch.timings.get("resumed", now)
+        try:
+            self.controller.reach(epoch.id, boundary)
+        finally:
+            resumed = time.perf_counter()
+            self.stats.p_permit_wait_s += resumed - now
+            epoch.timings["resumed"] = resumed
+            epoch.outer_context = forward_context._forward_context
+            forward_context._forward_context = mine
+
+    def _run_epoch(self, epoch: _Epoch) -> None:
+        torch.set_num_threads(self._threads)
+        try:
+            self.controller.attach(epoch.id, name=threading.current_thread().name)
+            epoch.outer_context = forward_context._forward_context
+            epoch.timings["resumed"] = time.perf_counter()
+            with torch.inference_mode(), self._stream():
+                self._boundary(epoch, 0)
+                if epoch.jobs:
+                    self._forward(epoch)
+                if self.p_stream is not None:
+                    epoch.event = torch.cuda.Event()
+                    epoch.event.record(self.p_stream)
+            self.stats.p_enqueue_s += time.perf_counter() - epoch.timings["resumed"]
+            self.controller.finish(epoch.id)
+        except BaseException as exc:  # reported to the main thread, which fails the jobs
+            epoch.error = exc
+            self.controller.fail(epoch.id, exc)
+
+    def _stream(self) -> Any:
+        if self.p_stream is None:
+            return _null()
+        torch.cuda.set_device(self.runner.device)
+        return torch.cuda.stream(self.p_stream)
+
+    def _forward(self, epoch: _Epoch) -> None:
+        batch = self.builder.build(epoch.jobs)
+        with forward_context.set_forward_context(
+            batch.attn_metadata,
+            self.vllm_config,
+            num_tokens=batch.num_tokens,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping=batch.slot_mapping,
+            skip_compiled=True,
+        ):
+            hidden = self.decoder.embed_input_ids(batch.input_ids)
+            residual = None
+            for i, layer in enumerate(self.layers):
+                self._boundary(epoch, i + 1)
+                hidden, residual = layer(batch.positions, hidden, residual)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        s = self.stats
+        return (
+            f"P lane rank {self.rank}: {s.epochs} epochs, {s.segments} segments "
+            f"({s.segments_after_d} after a D forward), jobs done/cancelled/failed "
+            f"{s.jobs_done}/{s.jobs_cancelled}/{s.jobs_failed}, {s.p_tokens} P tokens; "
+            f"D waited {s.d_wait_s:.3f} s, P parked {s.p_permit_wait_s:.3f} s, "
+            f"P enqueue {s.p_enqueue_s:.3f} s, rendezvous {s.rendezvous_s:.3f} s"
+        )
+
+    def close(self) -> None:
+        self.controller.cancel("worker shutdown")
+        if self.epoch is not None and self.epoch.thread is not None:
+            self.epoch.thread.join(timeout=5)
+        self.turnstile.rendezvous.close()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
