@@ -15,6 +15,18 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 MAX_TOKENS = 24
 WAVES = parity_waves(vocab_size=512)
 PROMPTS = [p for wave in WAVES for p in wave]
+# Prompts with >= 32 uncached tokens take the background P lane (most of the waves' prompts, and
+# the later turns' increments on top of their cached prefixes); shorter ones go inline.
+LANE_ON = {"ainfer_pd": {"p_lane_min_tokens": 32}}
+
+
+def assert_lane_overlapped_d(status: list[dict]) -> None:
+    """Every rank ran P jobs in the lane, with segments released right after D forwards."""
+    for rank in status:
+        lane = rank["p_lane"]
+        assert lane["jobs_done"] >= 8 and lane["jobs_failed"] == 0, rank
+        assert lane["segments_after_d"] > 0, rank
+        assert lane["inflight"] == 0, rank
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +37,11 @@ def stock_tp1(tiny_model):
 
 def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
     stock, stock_out = stock_tp1
-    with offline_llm(tiny_model, 1, backend="ainfer_pd") as ours:
-        assert ours.worker_status() == [{"worker": "AInferPDWorker", "rank": 0, "mode": "pd"}]
+    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=LANE_ON) as ours:
         ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+        status = ours.worker_status()
+    assert [(s["worker"], s["rank"], s["mode"]) for s in status] == [("AInferPDWorker", 0, "pd")]
+    assert_lane_overlapped_d(status)
     report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
     print(report)
     assert report.fail == 0, report
@@ -51,9 +65,13 @@ def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other
 def test_offline_tp2_matches_stock_tp2(tiny_model):
     with offline_llm(tiny_model, 2) as stock:
         stock_out = run_waves(stock, WAVES, MAX_TOKENS)
-        with offline_llm(tiny_model, 2, backend="ainfer_pd") as ours:
-            assert [s["worker"] for s in ours.worker_status()] == ["AInferPDWorker"] * 2
+        with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=LANE_ON) as ours:
             ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+            status = ours.worker_status()
+        assert [s["worker"] for s in status] == ["AInferPDWorker"] * 2
+        assert_lane_overlapped_d(status)
+        # Both TP ranks ran the same epochs and segments (matched collectives).
+        assert status[0]["p_lane"]["segments"] == status[1]["p_lane"]["segments"]
         report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
     print(report)
     assert report.fail == 0, report
