@@ -237,3 +237,59 @@ def test_gloo_rendezvous_detects_ranks_standing_in_different_rounds():
         out = ranks.wait(60)
     assert all("different phases" in m for m in out), out
     assert "between pre_d of round 0 and pre_d of round 1" in out[0]
+
+
+# --- payloads: every rank learns what every rank sent in the same phase -------------------------
+
+
+def _payload_rounds(rdv, rank, rounds):
+    """Each phase sends (rank, round, phase index); returns what every phase delivered."""
+    seen = []
+    for j in range(rounds):
+        for k, phase in enumerate((rdv.pre_d, rdv.post_d)):
+            # Ranks alternate sending nothing, so a stale value from the other parity would show.
+            payload = () if (rank + j + k) % 3 == 0 else (rank, j, k)
+            phase(payload)
+            seen.append(list(rdv.payloads))
+    return seen
+
+
+def _expected_payloads(world, rounds):
+    return [[() if (r + j + k) % 3 == 0 else (r, j, k) for r in range(world)]
+            for j in range(rounds) for k in range(2)]
+
+
+def test_shm_payloads_deliver_each_phase_values_to_every_rank():
+    name, world, rounds = shm_name(), 3, 300
+    creator = ShmRendezvous(name, 0, world, timeout_s=30)
+    try:
+        def body(r):
+            rdv = creator if r == 0 else ShmRendezvous(name, r, world, timeout_s=30)
+            return _payload_rounds(rdv, r, rounds)
+
+        out = run_threads(world, body)
+    finally:
+        creator.close()
+    for r in range(world):
+        assert out[r] == _expected_payloads(world, rounds), f"rank {r}"
+
+
+def test_payload_longer_than_the_limit_is_rejected_naming_it():
+    rdv = NullRendezvous()
+    with pytest.raises(ValueError, match=r"at most 3 ints, got \(1, 2, 3, 4\)"):
+        rdv.pre_d((1, 2, 3, 4))
+    rdv = NullRendezvous()
+    rdv.pre_d((7,))
+    assert rdv.payloads == [(7,)]
+
+
+def _gloo_payload_rank(rank, world, port, rounds):
+    init_gloo(rank, world, port)
+    return _payload_rounds(GlooRendezvous(timeout_s=30), rank, rounds)
+
+
+def test_gloo_payloads_deliver_each_phase_values_to_every_rank():
+    with RankGroup(_gloo_payload_rank, 3, args=(20,)) as ranks:
+        out = ranks.wait(90)
+    for r in range(3):
+        assert out[r] == _expected_payloads(3, 20), f"rank {r}"

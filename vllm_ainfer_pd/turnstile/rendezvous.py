@@ -4,9 +4,11 @@ Contract shared by every implementation:
 
 - Every rank calls `pre_d()` then `post_d()` once per round, in that order; idle ranks make the same
   no-work calls. A call returns once every rank of the group has made the same call (a barrier).
-- The phases carry no payload the protocol depends on (implementations may exchange a phase tag to
-  detect ranks that disagree), enqueue no device collective, and never wait on device events or
-  stream synchronization: P work already submitted keeps running.
+- A phase may carry a small payload, up to `MAX_PAYLOAD` ints per rank (for example each rank's
+  queued P tokens, so that all ranks open a P epoch in the same round); after the phase,
+  `payloads[r]` is what rank `r` sent (empty tuple if nothing). Phases enqueue no device
+  collective and never wait on device events or stream synchronization: P work already submitted
+  keeps running.
 - Every wait has a timeout. On timeout the call raises `RendezvousTimeout` naming this rank, the
   phase, the round and the ranks that never arrived; the rendezvous is then unusable (`close` it).
 - One thread per rank calls the rendezvous (the D thread); it is not meant for concurrent calls.
@@ -34,6 +36,8 @@ from vllm_ainfer_pd.turnstile.errors import (
 )
 
 PHASES = ("pre_d", "post_d")
+MAX_PAYLOAD = 3
+Payload = tuple[int, ...]
 
 
 def phase_of(gen: int) -> str:
@@ -57,19 +61,20 @@ class Rendezvous(abc.ABC):
         self.timeout_s = timeout_s
         self._gen = 0  # generations completed: 2 per round
         self._failure: RendezvousError | None = None
+        self.payloads: list[Payload] = [() for _ in range(world_size)]
 
     @property
     def round(self) -> int:
         """The current round: the number of completed `post_d` calls."""
         return self._gen // 2
 
-    def pre_d(self) -> float:
+    def pre_d(self, payload: Payload = ()) -> float:
         """Barrier before D enqueue. Returns the seconds this rank waited."""
-        return self._phase(0)
+        return self._phase(0, payload)
 
-    def post_d(self) -> float:
+    def post_d(self, payload: Payload = ()) -> float:
         """Barrier after D enqueue, before the next P release. Returns the seconds waited."""
-        return self._phase(1)
+        return self._phase(1, payload)
 
     def close(self) -> None:  # noqa: B027 - most rendezvous hold nothing to release
         """Release resources. Idempotent."""
@@ -80,18 +85,22 @@ class Rendezvous(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _phase(self, index: int) -> float:
+    def _phase(self, index: int, payload: Payload = ()) -> float:
         gen = self._gen + 1
         phase, rnd = PHASES[index], (gen - 1) // 2
         if self._failure is not None:
             raise RendezvousError("rendezvous unusable after an earlier failure", rank=self.rank,
                                   phase=phase, round=rnd, detail=str(self._failure))
+        payload = tuple(int(v) for v in payload)
+        if len(payload) > MAX_PAYLOAD:
+            raise ValueError(f"a rendezvous payload holds at most {MAX_PAYLOAD} ints, "
+                             f"got {payload!r}")
         if (gen - 1) % 2 != index:
             raise RendezvousError("phase out of order", rank=self.rank, phase=phase, round=rnd,
                                   detail=f"expected {PHASES[(gen - 1) % 2]}")
         start = time.perf_counter()
         try:
-            self._wait_all(gen, phase, rnd)
+            self.payloads = self._wait_all(gen, phase, rnd, payload)
         except RendezvousError as exc:
             self._failure = exc
             raise
@@ -99,8 +108,9 @@ class Rendezvous(abc.ABC):
         return time.perf_counter() - start
 
     @abc.abstractmethod
-    def _wait_all(self, gen: int, phase: str, rnd: int) -> None:
-        """Arrive at generation `gen` and return once every rank has; raise RendezvousError."""
+    def _wait_all(self, gen: int, phase: str, rnd: int, payload: Payload) -> list[Payload]:
+        """Arrive at generation `gen` with `payload` and return every rank's payload once every
+        rank has arrived; raise RendezvousError."""
 
 
 class NullRendezvous(Rendezvous):
@@ -109,8 +119,8 @@ class NullRendezvous(Rendezvous):
     def __init__(self, timeout_s: float = 60.0) -> None:
         super().__init__(0, 1, timeout_s)
 
-    def _wait_all(self, gen: int, phase: str, rnd: int) -> None:
-        return None
+    def _wait_all(self, gen: int, phase: str, rnd: int, payload: Payload) -> list[Payload]:
+        return [payload]
 
 
 # --- shared memory ----------------------------------------------------------------------------
@@ -122,8 +132,9 @@ _MAGIC = 0x4149_4E46_5250_4430  # marks a segment whose header is written
 class ShmRendezvous(Rendezvous):
     """Generation-counter barrier in one shared-memory page, for ranks on one host.
 
-    Layout: line 0 holds a header (magic, world size); line `1 + r` holds rank `r`'s arrival slot,
-    the last generation it reached. A rank arrives by storing its generation into its own slot (an
+    Layout: line 0 holds a header (magic, world size); lines `1 + 2r` and `2 + 2r` belong to rank
+    `r`: its arrival slot (the last generation it reached) and two payload buffers, one per
+    generation parity. A rank arrives by storing its generation into its own slot (an
     aligned 8-byte store) and waits until every slot holds at least that generation. Slots only
     grow, so no reset or sense flag is needed, and on timeout the slots name the missing ranks.
 
@@ -149,7 +160,7 @@ class ShmRendezvous(Rendezvous):
             spin_s = 50e-6 if world_size <= len(os.sched_getaffinity(0)) else 0.0
         self.spin_s, self.yield_s = spin_s, yield_s
         self._creator = rank == 0 if create is None else create
-        size = _LINE * 8 * (world_size + 1)
+        size = _LINE * 8 * (2 * world_size + 1)
         self._shm: SharedMemory | None = None
         self._mmap: mmap.mmap | None = None
         if self._creator:
@@ -159,7 +170,7 @@ class ShmRendezvous(Rendezvous):
             self._view[0] = _MAGIC  # written last: attachers wait for it
         else:
             self._view = self._attach(name, size)
-        self._slots = [(1 + r) * _LINE for r in range(world_size)]
+        self._slots = [(1 + 2 * r) * _LINE for r in range(world_size)]
         self._mine = self._slots[rank]
 
     @classmethod
@@ -213,16 +224,22 @@ class ShmRendezvous(Rendezvous):
             os.close(fd)
         return memoryview(self._mmap).cast("q")
 
-    def _wait_all(self, gen: int, phase: str, rnd: int) -> None:
+    def _wait_all(self, gen: int, phase: str, rnd: int, payload: Payload) -> list[Payload]:
         view, slots = self._view, self._slots
-        view[self._mine] = gen
+        # Payload words by generation parity: a rank can be at most one generation ahead of the
+        # slowest reader, so the other parity's words are never overwritten while being read.
+        base = self._mine + 1 + (gen % 2) * (1 + MAX_PAYLOAD)
+        view[base] = len(payload)
+        for i, value in enumerate(payload):
+            view[base + 1 + i] = value
+        view[self._mine] = gen  # published last (x86 stores are not reordered with each other)
         start = time.monotonic()
         while True:
             for slot in slots:
                 if view[slot] < gen:
                     break
             else:
-                return
+                return [self._read_payload(slot, gen) for slot in slots]
             waited = time.monotonic() - start
             if waited < self.spin_s:
                 continue
@@ -232,6 +249,11 @@ class ShmRendezvous(Rendezvous):
                 os.sched_yield()
             else:
                 time.sleep(50e-6)
+
+    def _read_payload(self, slot: int, gen: int) -> Payload:
+        base = slot + 1 + (gen % 2) * (1 + MAX_PAYLOAD)
+        n = self._view[base]
+        return tuple(self._view[base + 1 + i] for i in range(n))
 
     def _raise_timeout(self, gen: int, phase: str, rnd: int) -> None:
         late = {r: self._view[s] for r, s in enumerate(self._slots) if self._view[s] < gen}
@@ -261,13 +283,14 @@ class ShmRendezvous(Rendezvous):
 
 
 class GlooRendezvous(Rendezvous):
-    """Barrier as one 2-element CPU all-reduce on a gloo process group (works across hosts).
+    """Barrier as one small CPU all-gather on a gloo process group (works across hosts).
 
-    Each phase all-reduces `[gen, -gen]` with MAX, so the barrier also checks that every rank stood
-    in the same phase of the same round (`RendezvousMismatch` otherwise). Before the all-reduce a
+    Each phase all-gathers `[gen, payload length, payload...]`, so the barrier also checks that
+    every rank stood in the same phase of the same round (`RendezvousMismatch` otherwise). Before
+    the all-gather a
     rank notes its generation in the group's key-value store (one small `set`); that note carries
     nothing the protocol uses, but lets a rank that times out name the peers that never arrived,
-    which the all-reduce alone cannot (if the store's host rank has already exited, the error
+    which the all-gather alone cannot (if the store's host rank has already exited, the error
     says the store is unreachable instead). Ranks are global ranks. After an error the group may
     be left with a pending collective: treat it as fatal for the job.
 
@@ -288,17 +311,23 @@ class GlooRendezvous(Rendezvous):
             # Private accessor, used because torch offers no public handle on the default store.
             store = dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(f"ainfer_pd/rdv/{name}/", store)
-        self._buf = torch.zeros(2, dtype=torch.int64)
+        self._torch = torch
+        # Per rank: [generation, payload length, payload...]; gathered from every rank.
+        width = 2 + MAX_PAYLOAD
+        self._buf = torch.zeros(width, dtype=torch.int64)
+        self._gathered = [torch.zeros(width, dtype=torch.int64) for _ in self._ranks]
         self._timeout = timedelta(seconds=timeout_s)
 
-    def _wait_all(self, gen: int, phase: str, rnd: int) -> None:
+    def _wait_all(self, gen: int, phase: str, rnd: int, payload: Payload) -> list[Payload]:
         dist = self._dist
         self._store.set(str(self.rank), str(gen))
-        self._buf[0], self._buf[1] = gen, -gen
+        self._buf.zero_()
+        self._buf[0], self._buf[1] = gen, len(payload)
+        for i, value in enumerate(payload):
+            self._buf[2 + i] = value
         start = time.monotonic()
         try:
-            work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group,
-                                   async_op=True)
+            work = dist.all_gather(self._gathered, self._buf, group=self._group, async_op=True)
             work.wait(self._timeout)
         except RuntimeError as exc:
             waited = time.monotonic() - start
@@ -308,11 +337,13 @@ class GlooRendezvous(Rendezvous):
             raise cls(f"rendezvous {'timed out' if timed_out else 'failed'} after {waited:.3g} s",
                       rank=self.rank, phase=phase, round=rnd, missing=missing,
                       detail=f"{detail}; gloo: {exc}") from exc
-        high, low = int(self._buf[0]), -int(self._buf[1])
+        gens = [int(t[0]) for t in self._gathered]
+        high, low = max(gens), min(gens)
         if high != gen or low != gen:
             raise RendezvousMismatch(
                 "ranks met in different phases", rank=self.rank, phase=phase, round=rnd,
                 detail=f"ranks stood between {phase_of(low)} and {phase_of(high)}")
+        return [tuple(int(v) for v in t[2 : 2 + int(t[1])]) for t in self._gathered]
 
     def _late_ranks(self, gen: int) -> tuple[tuple[int, ...], str]:
         late: dict[int, int] = {}
