@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_ainfer_pd.config import AInferPDConfig
+from vllm_ainfer_pd.metrics import PLanePromMetrics, PLaneStats, StatsDelta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -119,6 +120,7 @@ class AInferPDConnector(KVConnectorBase_V1):
         # Worker role: this step's reports (get_finished -> errors -> worker meta, in that order).
         self._reported: list[tuple[PJob, bool]] = []
         self._failed_blocks: set[int] = set()
+        self._stats_delta: StatsDelta | None = None
 
     # ---- policy -------------------------------------------------------------------------------
 
@@ -249,6 +251,22 @@ class AInferPDConnector(KVConnectorBase_V1):
         if not reports:
             return None
         return PLaneWorkerMeta({job.req_id: job.lifetime for job, _ in reports})
+
+    def get_kv_connector_stats(self) -> PLaneStats | None:
+        """Worker role: the lane's counters changed since the last step (vllm_ainfer_pd.metrics)."""
+        if self.lane is None:
+            return None
+        if self._stats_delta is None:
+            self._stats_delta = StatsDelta(self.lane.rank)
+        return self._stats_delta.take(self.lane.stats.as_dict())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PLaneStats:
+        return PLaneStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return PLanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # also fires inside P's own forward: must not block

@@ -69,8 +69,9 @@ class Turnstile:
         span = self.mode.span(self.policy, load) if d_enqueued else None
         return self.controller.open_epoch(epoch, d_enqueued=d_enqueued, span=span)
 
-    def pre_d(self) -> RoundRecord:
-        """Wait until P stopped on this rank, fence if the mode says so, then the pre-D rendezvous.
+    def pre_d(self, payload: tuple[int, ...] = ()) -> RoundRecord:
+        """Wait until P stopped on this rank, fence if the mode says so, then the pre-D rendezvous
+        (carrying `payload`; every rank's is in `rendezvous.payloads` afterwards).
 
         Raises what `wait_parked` and the rendezvous raise (each names rank, round and peers).
         """
@@ -83,13 +84,18 @@ class Turnstile:
             assert self.device_fence is not None and status.epoch is not None
             self.device_fence(status.epoch)
             self._fenced = status.epoch
-        waited = self.rendezvous.pre_d()
+        waited = self.rendezvous.pre_d(payload)
         return RoundRecord(rnd, status.epoch, status.reached, status.permit, status.state,
                            p_wait, waited)
 
-    def post_d(self, load: Load | None = None) -> SegmentStatus:
-        """Post-D rendezvous, then release the next P segment (`permit += K`; no-op when idle)."""
-        self.rendezvous.post_d()
+    def post_d(self, load: Load | Callable[[list[tuple[int, ...]]], Load] | None = None,
+               payload: tuple[int, ...] = ()) -> SegmentStatus:
+        """Post-D rendezvous (carrying `payload`), then release the next P segment
+        (`permit += K`; no-op when idle). `load` may be a function of every rank's payload, which
+        gives all ranks the same load figures and so the same K."""
+        self.rendezvous.post_d(payload)
+        if callable(load):
+            load = load(self.rendezvous.payloads)
         return self.controller.advance(self.mode.span(self.policy, load))
 
     @contextlib.contextmanager

@@ -39,7 +39,7 @@ class AInferPDWorker(_platform_worker_cls()):
         lane = self.p_lane
         return {
             "worker": type(self).__name__,
-            "rank": self.rank,
+            "rank": self.rank if lane is None else lane.rank,
             "mode": AInferPDConfig.from_vllm_config(self.vllm_config).mode,
             "p_lane": lane.stats.as_dict() if lane is not None else None,
         }
@@ -66,10 +66,15 @@ class AInferPDWorker(_platform_worker_cls()):
             return
         from vllm_ainfer_pd.worker.p_lane import PLane
 
+        from vllm.distributed.parallel_state import get_world_group
+
         config = connector.config
-        self.p_lane = PLane(self.model_runner, config, self.rank, self._rendezvous(config))
-        connector.lane = self.p_lane
         self._dp_size = self.vllm_config.parallel_config.data_parallel_size
+        # The world rank (unique across DP replicas; `self.rank` restarts at 0 in each replica).
+        rank = get_world_group().rank
+        self.p_lane = PLane(self.model_runner, config, rank, self._rendezvous(config),
+                            dp_size=self._dp_size)
+        connector.lane = self.p_lane
         self._max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
         self._last_summary = time.monotonic()
 
@@ -110,8 +115,9 @@ class AInferPDWorker(_platform_worker_cls()):
         lane.after_d(None, 0)
 
     def _load(self, scheduler_output):
-        """Rank-shared load for the segment policy: the step's D rows over the batch size, and
-        queued P tokens over the step's token budget."""
+        """Load for the segment policy: the step's D rows over the batch size, and queued P
+        tokens over the step's token budget. Equal on the TP ranks of a replica; at DP > 1 the
+        lane shares the max over ranks in its rendezvous."""
         from vllm_ainfer_pd.turnstile import Load
 
         rows = len(scheduler_output.num_scheduled_tokens)

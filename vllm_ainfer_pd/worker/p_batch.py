@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class PBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: dict[str, Any]  # layer name -> that layer's metadata
+    attn_metadata: dict[str, Any] | None  # layer name -> that layer's metadata
     slot_mapping: dict[str, torch.Tensor]  # layer name -> KV slot of each P token
     num_tokens: int
 
@@ -51,6 +51,12 @@ class PBatchBuilder:
             self.groups.append((table.block_size, table.blocks_per_kv_block, builders))
         if not self.groups:
             raise ValueError("the P lane needs a model with attention KV cache groups")
+
+    def no_work(self) -> PBatch:
+        """One dummy token, no attention metadata and no KV slots: attention writes nothing."""
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        return PBatch(input_ids=zero, positions=zero.clone(), attn_metadata=None,
+                      slot_mapping={}, num_tokens=1)
 
     def build(self, jobs: list[PJob]) -> PBatch:
         ids = np.concatenate([np.asarray(j.token_ids, dtype=np.int64) for j in jobs])

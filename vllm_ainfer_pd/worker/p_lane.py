@@ -77,6 +77,8 @@ class _Epoch:
     error: BaseException | None = None
     outer_context: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    # DP > 1: P tokens of each DP rank in this epoch (0: a matched no-work epoch), else None.
+    dp_counts: list[int] | None = None
 
 
 class PLane:
@@ -86,6 +88,7 @@ class PLane:
         config: AInferPDConfig,
         rank: int,
         rendezvous: Rendezvous | None = None,
+        dp_size: int = 1,
     ) -> None:
         self.runner = runner
         self.config = config
@@ -117,6 +120,12 @@ class PLane:
         self.finishing: list[_Epoch] = []  # finished on the host; GPU work may still run
         self.reports: list[tuple[PJob, bool]] = []  # (job, failed) ready for get_finished
         self.stats = LaneStats()
+        # DP > 1: every D iteration is an all-rank round whose post-D rendezvous carries each
+        # rank's queued P tokens, so all DP ranks open an epoch together: P's MoE collectives
+        # span the EP group, and a rank with no P runs a matched no-work epoch (one dummy token).
+        self.dp_size = dp_size
+        self.synced = dp_size > 1
+        self.ranks_per_dp = self.turnstile.rendezvous.world_size // dp_size
         self._next_epoch = 0
         self._threads = torch.get_num_threads()
         self.is_cuda = runner.device.type == "cuda"
@@ -157,17 +166,25 @@ class PLane:
         return self.epoch is not None
 
     def before_d(self) -> None:
-        if self.epoch is None:
+        if self.epoch is None and not self.synced:
             return
         record = self.turnstile.pre_d()
         self.stats.d_wait_s += record.p_wait_s
         self.stats.rendezvous_s += record.rendezvous_s
-        self.stats.rounds += 1
+        if self.epoch is not None:
+            self.stats.rounds += 1
 
     def after_d(self, load: Load | None = None, d_tokens: int = 0) -> None:
         """Release P's next segment after this round's D, or open an epoch for queued jobs, then
         wait until P stops again (its host work for the segment is done)."""
-        if self.epoch is not None:
+        if self.synced:
+            load = self._post_d_synced(load or Load())
+            if self.epoch is None:
+                counts = [p[0] for p in self.turnstile.rendezvous.payloads]
+                if not any(counts):
+                    return
+                self._open_epoch(load, counts[:: self.ranks_per_dp])
+        elif self.epoch is not None:
             start = time.perf_counter()
             self.turnstile.post_d(load)
             self.stats.rendezvous_s += time.perf_counter() - start
@@ -175,6 +192,27 @@ class PLane:
             self._open_epoch(load)
         else:
             return
+        self._run_segment(d_tokens)
+
+    def _post_d_synced(self, load: Load) -> Load:
+        """The post-D rendezvous of a DP round: share queued P tokens and the load (the max over
+        ranks, so every rank picks the same K); release the next segment if an epoch is open."""
+        queued = sum(j.end - j.start for j in self.pending)
+        payload = (queued, round(load.d_occupancy * 1e6), round(load.p_pressure * 1e6))
+        shared: list[Load] = []
+
+        def shared_load(payloads: list[tuple[int, ...]]) -> Load:
+            shared.append(Load(max(p[1] for p in payloads) / 1e6,
+                               max(p[2] for p in payloads) / 1e6))
+            return shared[0]
+
+        start = time.perf_counter()
+        self.turnstile.post_d(shared_load, payload)
+        self.stats.rendezvous_s += time.perf_counter() - start
+        return shared[0]
+
+    def _run_segment(self, d_tokens: int) -> None:
+        """The cooperative hand-off: P runs its released segment's host work while D waits."""
         self.stats.segments += 1
         if d_tokens:
             self.stats.segments_after_d += 1
@@ -189,10 +227,10 @@ class PLane:
         if status.state is not TaskState.PARKED:
             self._end_epoch(failed=self.epoch.error if self.epoch else None)
 
-    def _open_epoch(self, load: Load | None) -> None:
+    def _open_epoch(self, load: Load | None, dp_counts: list[int] | None = None) -> None:
         jobs = [j for j in self.pending if j.key not in self.cancelled]
         self.pending.clear()
-        epoch = _Epoch(self._next_epoch, jobs)
+        epoch = _Epoch(self._next_epoch, jobs, dp_counts=dp_counts)
         self._next_epoch += 1
         self.stats.epochs += 1
         self.stats.p_tokens += sum(j.end - j.start for j in jobs)
@@ -262,7 +300,7 @@ class PLane:
             epoch.timings["resumed"] = time.perf_counter()
             with torch.inference_mode(), self._stream():
                 self._boundary(epoch, 0)
-                if epoch.jobs:
+                if epoch.jobs or epoch.dp_counts is not None:
                     self._forward(epoch)
                 if self.p_stream is not None:
                     epoch.event = torch.cuda.Event()
@@ -280,11 +318,22 @@ class PLane:
         return torch.cuda.stream(self.p_stream)
 
     def _forward(self, epoch: _Epoch) -> None:
-        batch = self.builder.build(epoch.jobs)
+        """P's eager forward through the decoder layers, parking at each layer boundary. No final
+        norm and no logits: P only fills KV; the promoted request's last prompt token runs in D.
+        A DP rank without jobs runs one dummy token with no attention metadata (no KV written),
+        so its MoE collectives match the other ranks' P."""
+        if epoch.jobs:
+            batch = self.builder.build(epoch.jobs)
+        else:
+            batch = self.builder.no_work()
+        across_dp = None
+        if epoch.dp_counts is not None:
+            across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
         with forward_context.set_forward_context(
             batch.attn_metadata,
             self.vllm_config,
             num_tokens=batch.num_tokens,
+            num_tokens_across_dp=across_dp,
             cudagraph_runtime_mode=CUDAGraphMode.NONE,
             slot_mapping=batch.slot_mapping,
             skip_compiled=True,
