@@ -8,8 +8,11 @@ DP2+EP is compared with stock TP=1 under the tie rule, as the parity harness all
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from vllm_ainfer_pd.rollout.backend_metrics import scrape
 from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.testing.server import VllmServer
@@ -20,7 +23,23 @@ MAX_TOKENS = 24
 WAVES = parity_waves(vocab_size=512)
 PROMPTS = [p for wave in WAVES for p in wave]
 CHAT = [{"role": "user", "content": "What does the scheduler commit first?"}]
-OURS = ["--distributed-executor-backend", "ainfer_pd"]
+# The P lane on for prompts with >= 32 uncached tokens (most prompts and turn increments here).
+OURS = ["--distributed-executor-backend", "ainfer_pd",
+        "--additional-config", json.dumps({"ainfer_pd": {"p_lane_min_tokens": 32}})]
+
+
+def lane_metrics(url: str) -> dict[str, float]:
+    """The server's `vllm_ainfer_pd_*` counters, summed over engines and ranks."""
+    metrics = scrape(url)
+    assert metrics is not None, "no /metrics"
+    return {k: v for k, v in metrics.items() if k.startswith("vllm_ainfer_pd_")}
+
+
+def assert_lane_ran_beside_d(metrics: dict[str, float]) -> None:
+    """P jobs went through the background lane, with segments released right after D forwards."""
+    assert metrics.get("vllm_ainfer_pd_p_jobs_done_total", 0) >= 8, metrics
+    assert metrics.get("vllm_ainfer_pd_segments_after_d_total", 0) > 0, metrics
+    assert metrics.get("vllm_ainfer_pd_p_jobs_failed_total", 0) == 0, metrics
 
 
 @pytest.fixture
@@ -72,6 +91,7 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     assert chat.finish_reason == "length"
     assert chat.message.content == stock_chat.message.content
     assert "AInferPDScheduler" in srv.log_text()
+    assert_lane_ran_beside_d(lane_metrics(srv.url))
 
 
 def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
@@ -85,3 +105,19 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     assert report.fail == 0, report
     log = srv.log_text()
     assert "EngineCore_DP1" in log and "Worker_DP1_EP1" in log
+    metrics = lane_metrics(srv.url)
+    assert_lane_ran_beside_d(metrics)
+    # Both DP ranks ran every epoch (a rank without P runs a matched no-work epoch).
+    text = scrape_text(srv.url)
+    per_rank = [v for k, v in text.items() if k.startswith("vllm_ainfer_pd_epochs_total{")]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, per_rank
+
+
+def scrape_text(url: str) -> dict[str, float]:
+    """`/metrics` samples by full series name (with labels)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line and not line.startswith("#")}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
     from vllm_ainfer_pd.connector import JobKey, PJob, PLaneMetadata
 
 logger = logging.getLogger(__name__)
+# Fault injection for the hang-safety tests: "<world rank>:<round>" makes that rank stall (sleep
+# for 4 x timeout_s, long enough for its peers to give up) just before its pre-D rendezvous of
+# that round, as a hung rank would.
+STALL_ENV = "VLLM_AINFER_PD_TEST_STALL"
 
 
 @dataclass
@@ -127,6 +132,9 @@ class PLane:
         self.synced = dp_size > 1
         self.ranks_per_dp = self.turnstile.rendezvous.world_size // dp_size
         self._next_epoch = 0
+        stall = os.environ.get(STALL_ENV, "")
+        self._stall_round = (int(stall.split(":")[1])
+                             if stall and int(stall.split(":")[0]) == rank else None)
         self._threads = torch.get_num_threads()
         self.is_cuda = runner.device.type == "cuda"
         self.p_stream = torch.cuda.Stream(device=runner.device) if self.is_cuda else None
@@ -168,6 +176,10 @@ class PLane:
     def before_d(self) -> None:
         if self.epoch is None and not self.synced:
             return
+        if self._stall_round == self.turnstile.rendezvous.round:
+            logger.warning("%s: rank %d stalls before round %d", STALL_ENV, self.rank,
+                           self._stall_round)
+            time.sleep(4 * self.config.timeout_s)
         record = self.turnstile.pre_d()
         self.stats.d_wait_s += record.p_wait_s
         self.stats.rendezvous_s += record.rendezvous_s

@@ -1,0 +1,66 @@
+"""Hang safety: a rank that stalls makes its peers fail within the configured timeout, with an error
+that names the late rank and where it last stood, and the client gets an error instead of a hang.
+
+The stall is injected with `VLLM_AINFER_PD_TEST_STALL="<rank>:<round>"` (p_lane.STALL_ENV): TP=2,
+the P lane on, rank 1 sleeps just before its pre-D rendezvous of round 3 (inside a P epoch).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+TIMEOUT_S = 8.0
+
+SCENARIO = textwrap.dedent(
+    """
+    import sys, time
+    from vllm_ainfer_pd.testing.parity import offline_llm, parity_waves
+
+    def main():
+        lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "timeout_s": %(timeout)s}}
+        with offline_llm(sys.argv[1], 2, backend="ainfer_pd", additional_config=lane) as llm:
+            print("ENGINE UP", flush=True)
+            start = time.monotonic()
+            try:
+                llm.generate(parity_waves(512)[0], 16)
+            except Exception as exc:
+                print(f"CLIENT ERROR after {time.monotonic() - start:.1f} s: "
+                      f"{type(exc).__name__}: {exc}", flush=True)
+                return
+            print("CLIENT GOT OUTPUTS", flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+) % {"timeout": TIMEOUT_S}
+
+
+def test_a_stalled_rank_fails_its_peer_with_an_error_naming_it(tiny_model, tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(SCENARIO)
+    env = {**__import__("os").environ, "VLLM_AINFER_PD_TEST_STALL": "1:3"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), tiny_model], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=480)
+    elapsed = time.monotonic() - start
+    out = proc.stdout
+    tail = "\n".join(out.splitlines()[-60:])
+    assert "ENGINE UP" in out, tail
+    assert "CLIENT GOT OUTPUTS" not in out, tail
+    assert "CLIENT ERROR after" in out, tail
+    waited = float(out.split("CLIENT ERROR after ")[1].split(" s")[0])
+    # The peer gives up after timeout_s; the rest is vLLM tearing the engine down.
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 90, tail
+    # Rank 0's error names itself, the phase and round it waited in, and the late rank 1.
+    assert "RendezvousTimeout" in out, tail
+    line = next(x for x in out.splitlines() if "RendezvousTimeout" in x and "rank 1" in x)
+    assert "rank 0" in line and "pre_d" in line and "round 3" in line, line
+    assert "rank 1 last arrived at post_d of round 2" in line, line
+    print(line, f"(subprocess {elapsed:.0f} s)")
