@@ -42,6 +42,26 @@ def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
         status = ours.worker_status()
     assert [(s["worker"], s["rank"], s["mode"]) for s in status] == [("AInferPDWorker", 0, "pd")]
     assert_lane_overlapped_d(status)
+    # fine ordering, K=1, 4 decoder layers: each epoch is 5 segments (entry + embedding, then one
+    # layer per D iteration).
+    lane = status[0]["p_lane"]
+    assert lane["segments"] == 5 * lane["epochs"], lane
+
+
+def test_offline_tp1_global_complete_with_load_selected_span_matches_stock(stock_tp1, tiny_model):
+    """The other end of the ordering ladder: the whole epoch after one D iteration, D fenced on
+    P's completion; same admission and state, same tokens."""
+    stock, stock_out = stock_tp1
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "ordering": "global-complete",
+                          "segment_policy": "load"}}
+    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=lane) as ours:
+        ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+        status = ours.worker_status()
+    report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    print(report, status[0]["p_lane"])
+    assert report.fail == 0, report
+    assert_lane_overlapped_d(status)
+    assert status[0]["p_lane"]["segments"] == status[0]["p_lane"]["epochs"], status
     report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
     print(report)
     assert report.fail == 0, report

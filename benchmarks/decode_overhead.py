@@ -1,0 +1,74 @@
+"""Decode-only overhead of the P lane: the backend with the lane on (`mode=pd`) vs the same backend
+with it off (`mode=normal`), and stock vLLM for context, on a workload with no prefill worth a lane
+(8-token prompts, long greedy decodes). All engines stay up; repetitions alternate between them.
+
+    python benchmarks/decode_overhead.py --reps 5 --out benchmarks/results/cpu/decode_overhead.json
+
+Reports each engine's median wall time per repetition with [min, max] and the ratio to `normal`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="model folder (default: the tiny preset)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from vllm_ainfer_pd.models import ensure_model
+    from vllm_ainfer_pd.testing.parity import offline_llm
+
+    model = args.model or str(ensure_model("tiny", 0))
+    prompts = [[3 + (7 * i + j) % 500 for j in range(8)] for i in range(args.requests)]
+    engines = {
+        "pd": dict(backend="ainfer_pd", additional_config={"ainfer_pd": {"mode": "pd"}}),
+        "normal": dict(backend="ainfer_pd", additional_config={"ainfer_pd": {"mode": "normal"}}),
+        "stock": dict(backend=None),
+    }
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    outputs = {}
+    with ExitStack() as stack:
+        runners = {}
+        for name, kw in engines.items():
+            print(f"[decode-overhead] starting {name}", file=sys.stderr, flush=True)
+            runners[name] = stack.enter_context(offline_llm(model, 1, **kw))
+            runners[name].generate(prompts[:2], 4)  # warm-up
+        for rep in range(args.reps):
+            order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+            for name in order:
+                start = time.perf_counter()
+                outputs[name] = runners[name].generate(prompts, args.max_tokens)
+                times[name].append(time.perf_counter() - start)
+            print(f"[decode-overhead] rep {rep + 1}/{args.reps}: "
+                  + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in engines),
+                  file=sys.stderr, flush=True)
+        lane = runners["pd"].worker_status()[0]["p_lane"]
+    base = statistics.median(times["normal"])
+    result = {
+        "workload": {"requests": args.requests, "prompt_tokens": 8,
+                     "max_tokens": args.max_tokens, "reps": args.reps},
+        "seconds": {n: {"median": statistics.median(t), "min": min(t), "max": max(t), "all": t}
+                    for n, t in times.items()},
+        "ratio_to_normal": {n: statistics.median(t) / base for n, t in times.items()},
+        "same_tokens_pd_vs_normal": outputs["pd"] == outputs["normal"],
+        "pd_lane_epochs": lane["epochs"],
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
