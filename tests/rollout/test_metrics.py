@@ -73,6 +73,22 @@ def test_backend_counters_are_deltas_summed_over_ranks():
     assert backend_metrics.delta(None, None) == {}
 
 
+def test_lane_headline_ratios_are_derived_from_the_real_counter_names():
+    before = ('vllm_ainfer_pd_d_wait_seconds_total{engine="0",rank="0"} 1.0\n'
+              'vllm_ainfer_pd_rounds_total{engine="0",rank="0"} 10\n'
+              'vllm_ainfer_pd_segments_total{engine="0",rank="0"} 10\n'
+              'vllm_ainfer_pd_epochs_total{engine="0",rank="0"} 2\n')
+    after = ('vllm_ainfer_pd_d_wait_seconds_total{engine="0",rank="0"} 1.5\n'
+             'vllm_ainfer_pd_d_wait_seconds_total{engine="0",rank="1"} 0.5\n'
+             'vllm_ainfer_pd_rounds_total{engine="0",rank="0"} 20\n'
+             'vllm_ainfer_pd_rounds_total{engine="0",rank="1"} 10\n'
+             'vllm_ainfer_pd_segments_total{engine="0",rank="0"} 25\n'
+             'vllm_ainfer_pd_epochs_total{engine="0",rank="0"} 5\n')
+    d = backend_metrics.delta(backend_metrics.parse(before), backend_metrics.parse(after))
+    assert d["vllm_ainfer_pd_mean_d_wait_ms"] == pytest.approx(1e3 * 1.0 / 20)
+    assert d["vllm_ainfer_pd_segments_per_epoch"] == pytest.approx(15 / 3)
+
+
 def _run(backend, rep, makespan, counters):
     s = summarize(RECORDS)
     s["makespan_s"] = makespan
