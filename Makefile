@@ -16,10 +16,13 @@ test-fast:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \
 	  $$py -m pytest tests -ra -m "not engine" $(PYTEST_ARGS)
 
+# stock vLLM vs ainfer_pd (default options: prompts of >= 512 uncached tokens take the P lane) vs
+# ainfer_pd with the lane taking every prompt of >= 64 uncached tokens.
 rollout:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \
 	  $$py -m vllm_ainfer_pd.models --preset tiny && \
-	  $$py -m vllm_ainfer_pd.rollout compare --preset cpu --out rollout-out $(ROLLOUT_ARGS)
+	  $$py -m vllm_ainfer_pd.rollout compare --preset cpu --out rollout-out \
+	    --variant 'ainfer_pd_lane64={"ainfer_pd": {"p_lane_min_tokens": 64}}' $(ROLLOUT_ARGS)
 
 model:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && $$py -m vllm_ainfer_pd.models --preset tiny
