@@ -28,6 +28,9 @@ Checks (each failure is one line with the numbers, in `StormReport.failures`):
 (d) the engine still serves: a fresh long request after the storm matches stock too;
 (e) the lane ran: the worker reports `jobs_done > 0` and `jobs_cancelled > 0`.
 
+The storm is deterministic for a seed (one process drives the in-process engine step by step,
+greedy sampling), so a failure reproduces with the same seed and arguments; failures name the step.
+
 CLI: `python -m vllm_ainfer_pd.testing.abort_storm --aborts 1000 [--seed 0] [--json out.json]`;
 exit code 1 when a check fails.
 """
@@ -75,7 +78,7 @@ class StormReport:
     num_gpu_blocks: int = 0
     free_blocks_before: int = 0
     free_blocks_after: int = 0
-    free_blocks_after_final: int = 0
+    free_blocks_after_final: int = -1  # -1: the final request was not run
     # parity vs stock
     parity_prompts: int = 0
     parity_exact: int = 0
@@ -101,7 +104,8 @@ class StormReport:
     def summary(self) -> str:
         lane = self.lane or {}
         lines = [
-            f"abort storm: model={self.model} seed={self.seed} target aborts_in_p>={self.aborts_target}",
+            f"abort storm: model={self.model} seed={self.seed} "
+            f"target aborts_in_p>={self.aborts_target}",
             f"  steps {self.steps} (+{self.drain_steps} drain), chats {self.chats}, requests "
             f"{self.requests_added}: finished {self.finished}, aborted {self.aborted} "
             f"(in P {self.aborts_in_p}, in P after its report {self.aborts_in_p_drained}, "
@@ -109,8 +113,11 @@ class StormReport:
             f"  P jobs shipped to the lane {self.lane_jobs} ({self.lane_jobs_after_preemption} "
             f"after a preemption; {self.preemptions} preemptions); aborted P held blocks: at most "
             f"{self.max_held} at once, for at most {self.max_held_steps} steps",
-            f"  free blocks before {self.free_blocks_before}, after drain {self.free_blocks_after}, "
-            f"after final request {self.free_blocks_after_final} (of {self.num_gpu_blocks})",
+            f"  free blocks before {self.free_blocks_before}, after drain "
+            f"{self.free_blocks_after}, "
+            f"after final request "
+            f"{self.free_blocks_after_final if self.free_blocks_after_final >= 0 else 'n/a'} "
+            f"(of {self.num_gpu_blocks})",
             f"  parity vs stock: {self.parity_prompts} prompts, exact={self.parity_exact} "
             f"tie={self.parity_tie} fail={self.parity_fail}; final fresh request: "
             f"{self.final_request or 'not run'}",
@@ -265,6 +272,7 @@ def run_storm(
     retry_queue: list[_Turn] = []
     final_prompt = None
     final_out: list[int] | None = None
+    where = {"phase": "build", "step": 0}  # for the message of an engine error
 
     llm = _build_engine(model, LANE_MIN_TOKENS, kv_blocks)
     engine = llm.llm_engine
@@ -333,6 +341,7 @@ def run_storm(
                 live_chats.remove(chat)
 
         def do_step(step_no: int) -> None:
+            where["step"] = step_no
             for out in engine.step():
                 turn = by_ext.get(out.request_id)
                 if turn is None:
@@ -399,6 +408,7 @@ def run_storm(
         step = 0
         next_progress = progress_every
         storm_start = time.monotonic()
+        where["phase"] = "storm"
         while report.aborts_in_p < aborts:
             if step >= max_steps:
                 report.fail(f"storm: {step} steps and only {report.aborts_in_p}/{aborts} aborts "
@@ -439,6 +449,7 @@ def run_storm(
 
         # ---- drain: no new requests, no aborts ---------------------------------------------
         retry_queue.clear()
+        where["phase"] = "drain"
         drain = 0
         while scheduler.requests or active:
             if drain >= drain_step_cap:
@@ -468,12 +479,14 @@ def run_storm(
                         f"{report.free_blocks_before} before the first request "
                         f"({report.free_blocks_before - report.free_blocks_after} leaked)")
         if lane.inflight:
-            report.fail(f"(b) the scheduler's lane still has jobs in flight: {sorted(lane.inflight)}")
+            report.fail(f"(b) the scheduler's lane still has jobs in flight: "
+                        f"{sorted(lane.inflight)}")
         if held:
             report.fail(f"(b) aborted P requests never released: {sorted(held)}")
 
         # (d) a fresh long request on our engine (through the lane)
         if not scheduler.requests:
+            where["phase"] = "final request"
             final_prompt = tokens(final_prompt_tokens)
             final = _Turn("final", -1, 0, 0, final_prompt, final_max_tokens)
             add(final)
@@ -491,8 +504,12 @@ def run_storm(
                 do_step(step + drain + n)
                 n += 1
             report.free_blocks_after_final = pool.get_num_free_blocks()
+            if report.free_blocks_after_final != report.free_blocks_before:
+                report.fail(f"(b) free KV blocks {report.free_blocks_after_final} after the final "
+                            f"request, {report.free_blocks_before} before the first request")
 
         # (e) the lane ran, and drained everything
+        where["phase"] = "status"
         status = llm.collective_rpc("ainfer_pd_status")
         report.lane = dict(status[0].get("p_lane") or {})
         if not report.lane:
@@ -515,8 +532,8 @@ def run_storm(
             if report.lane.get("inflight", 0):
                 report.fail(f"(b) the worker's lane still holds {report.lane['inflight']} jobs")
     except Exception as exc:  # an engine error is a failed storm, not a crash of the harness
-        report.fail(f"engine error at step {report.steps or '?'}: {exc!r}\n"
-                    + traceback.format_exc())
+        report.fail(f"engine error in the {where['phase']} phase at step {where['step']} (seed "
+                    f"{seed}): {exc!r}\n" + traceback.format_exc())
     finally:
         with contextlib.suppress(Exception):
             engine.engine_core.shutdown()
