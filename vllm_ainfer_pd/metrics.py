@@ -66,9 +66,9 @@ class PLaneStats(KVConnectorStats):
         for name in ("epochs", "segments", "segments_after_d", "jobs_done", "jobs_cancelled",
                      "jobs_failed", "p_tokens", "inflight"):
             out[name] = sum(r.get(name, 0) for r in ranks)
-        rounds = sum(r.get("rounds", 0) for r in ranks)
+        segments = out["segments"]
         out["mean_d_wait_ms"] = round(
-            1e3 * sum(r.get("d_wait_s", 0.0) for r in ranks) / rounds, 3) if rounds else 0.0
+            1e3 * sum(r.get("d_wait_s", 0.0) for r in ranks) / segments, 3) if segments else 0.0
         return out
 
 

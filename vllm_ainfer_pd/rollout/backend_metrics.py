@@ -58,11 +58,13 @@ def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> di
     for name in list(out):
         if name.endswith("_sum") and out.get(name[:-4] + "_count"):
             out[name[:-4] + "_mean"] = out[name] / out[name[:-4] + "_count"]
-    # The paper's two headline ratios of the lane: mean D wait per D iteration with P open, and
-    # segments per P epoch (both over all ranks).
-    rounds, epochs = out.get(PREFIX + "rounds_total"), out.get(PREFIX + "epochs_total")
-    if rounds:
-        out[PREFIX + "mean_d_wait_ms"] = 1e3 * out.get(PREFIX + "d_wait_seconds_total", 0) / rounds
+    # The lane's two headline ratios (over all ranks): mean D wait per D iteration that released
+    # P work (one segment each; in the global modes one per epoch, holding the whole epoch), and
+    # segments per P epoch.
+    segments, epochs = out.get(PREFIX + "segments_total"), out.get(PREFIX + "epochs_total")
+    if segments:
+        out[PREFIX + "mean_d_wait_ms"] = (
+            1e3 * out.get(PREFIX + "d_wait_seconds_total", 0) / segments)
     if epochs:
         out[PREFIX + "segments_per_epoch"] = out.get(PREFIX + "segments_total", 0) / epochs
     return out
