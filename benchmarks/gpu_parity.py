@@ -2,13 +2,21 @@
 
     python benchmarks/gpu_parity.py --model DIR --tp 1 --out parity_tp1.json
     python benchmarks/gpu_parity.py --model DIR --dp 2 --out parity_dp2_ep.json   # vllm serve, EP
+    # the P lane on for most of the 16 prompts (>= 32 uncached tokens go to the lane):
+    python benchmarks/gpu_parity.py --model DIR --tp 1 --out p.json \
+        --additional-config '{"ainfer_pd": {"p_lane_min_tokens": 32}}'
 
 Offline `LLM()` for TP layouts; `vllm serve` with `--data-parallel-size N --enable-expert-parallel`
 for DP (vLLM's `LLM()` refuses DP>1), compared with stock vLLM serving the same layout.
 
-Both engines use CUDA graphs and torch.compile (vLLM's defaults) and the V1 GPU model runner. The
-stock engine stays up as the teacher forcer for the tie rule (vllm_ainfer_pd/testing/parity.py).
-Writes a JSON report with exact/tie/fail counts, timings and versions.
+Both engines use CUDA graphs and torch.compile (vLLM's defaults) and the V1 GPU model runner, unless
+`--enforce-eager` (both engines, for diagnosis). `--additional-config` goes to our engine only;
+`--load-format`, `--compilation-config` and `--disable-custom-all-reduce` go to both. The stock
+engine stays up as the teacher forcer for the tie rule (vllm_ainfer_pd/testing/parity.py).
+Writes a JSON report with exact/tie/fail counts, our workers' P-lane counters (offline: every rank's
+`ainfer_pd_status`; served: the `vllm_ainfer_pd_*` lines of `/metrics`), timings and versions. If an
+engine fails, the report is still written, with the error and its traceback, and the exit status
+is 1.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
+import traceback
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tp", type=int, default=1)
@@ -32,75 +43,194 @@ def main() -> None:
     # On the lent 2 x H200 machine vLLM's custom all-reduce hit an illegal memory access in stock
     # vLLM's first TP=2 forward (2026-11-30); this turns it off for both engines alike.
     parser.add_argument("--disable-custom-all-reduce", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--additional-config", type=json.loads, default=None,
+                        help="JSON for our engine only, e.g. "
+                             "'{\"ainfer_pd\": {\"p_lane_min_tokens\": 32}}'")
+    parser.add_argument("--load-format", default=None, help="both engines, e.g. dummy")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="both engines: no torch.compile, no CUDA graphs (diagnosis)")
+    parser.add_argument("--compilation-config", type=json.loads, default=None,
+                        help="JSON for both engines, e.g. "
+                             "'{\"pass_config\": {\"fuse_allreduce_rms\": false}}'")
+    return parser.parse_args()
 
+
+def main() -> int:
+    args = parse_args()
+    # A wall-clock limit (`timeout`) sends SIGTERM: unwind, so the `vllm serve` process groups
+    # (own sessions, out of reach of `timeout`) are stopped and the report is still written.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    result: dict = {"argv": vars(args)}
+    try:
+        if args.dp > 1:
+            serve_parity(args, result)
+        else:
+            offline_parity(args, result)
+    except BaseException as exc:  # the report is still written, with what failed and where
+        result["error"] = repr(exc)
+        result["traceback"] = traceback.format_exc()
+        print(result["traceback"], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(summary(result), flush=True)
+    return 1 if "error" in result else 0
+
+
+def summary(result: dict) -> str:
+    head = (f"parity: exact={result.get('exact')} tie={result.get('tie')} "
+            f"fail={result.get('fail')}")
+    if "error" in result:
+        head += f" ERROR {result['error'][:300]}"
+    lanes = result.get("ours_workers_after") or []
+    for rank in lanes:
+        lane = rank.get("p_lane") or {}
+        head += (f"\n  rank {rank.get('rank')}: jobs_done={lane.get('jobs_done')} "
+                 f"failed={lane.get('jobs_failed')} epochs={lane.get('epochs')} "
+                 f"segments={lane.get('segments')} after_d={lane.get('segments_after_d')} "
+                 f"p_tokens={lane.get('p_tokens')} inflight={lane.get('inflight')}")
+    for name, value in sorted((result.get("ours_lane_metrics") or {}).items()):
+        head += f"\n  {name} {value}"
+    return head
+
+
+def versions(extra: dict | None = None) -> dict:
     import torch
     import vllm
+
+    out = {"vllm": vllm.__version__, "torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        out.update(nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    return {**out, **(extra or {})}
+
+
+def offline_parity(args, result: dict) -> None:
     from vllm import LLM
 
     from vllm_ainfer_pd.testing.parity import LLMRunner, compare, parity_waves, run_waves
 
-    if args.dp > 1:
-        return serve_parity(args)
-
     engine_args = dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp,
                        max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0,
-                       disable_custom_all_reduce=args.disable_custom_all_reduce)
+                       disable_custom_all_reduce=args.disable_custom_all_reduce,
+                       enforce_eager=args.enforce_eager)
+    if args.load_format:
+        engine_args["load_format"] = args.load_format
+    if args.compilation_config is not None:
+        engine_args["compilation_config"] = args.compilation_config
+    ours_args = dict(engine_args, distributed_executor_backend="ainfer_pd")
+    if args.additional_config is not None:
+        ours_args["additional_config"] = args.additional_config
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
-    result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                           "cuda": torch.version.cuda,
-                           "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                           "gpu": torch.cuda.get_device_name(0)},
-              "engine_args": engine_args}
+    result.update(versions=versions(), engine_args=engine_args,
+                  ours_additional_config=args.additional_config)
     t0 = time.time()
     stock_llm = LLM(**engine_args)
     stock = LLMRunner(stock_llm)
     result["stock_start_s"] = time.time() - t0
-    stock_out = run_waves(stock, waves, args.max_tokens)
     t0 = time.time()
-    ours_llm = LLM(**engine_args, distributed_executor_backend="ainfer_pd")
+    stock_out = run_waves(stock, waves, args.max_tokens)
+    result["stock_waves_s"] = time.time() - t0
+    t0 = time.time()
+    ours_llm = LLM(**ours_args)
     ours = LLMRunner(ours_llm)
     result["ours_start_s"] = time.time() - t0
     result["ours_workers"] = ours.worker_status()
-    ours_out = run_waves(ours, waves, args.max_tokens)
-    ours_llm.llm_engine.engine_core.shutdown()
+    try:
+        t0 = time.time()
+        ours_out = run_waves(ours, waves, args.max_tokens)
+        result["ours_waves_s"] = time.time() - t0
+        result["ours_workers_after"] = ours.worker_status()  # the lane's counters per rank
+    finally:
+        ours_llm.llm_engine.engine_core.shutdown()
     report = compare(prompts, stock_out, ours_out, stock.teacher_force)
     stock_llm.llm_engine.engine_core.shutdown()
     result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
     print(report, flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
 
 
-def serve_parity(args) -> None:
-    import torch
-    import vllm
+def lane_metrics(url: str) -> tuple[dict[str, float], list[str]]:
+    """The `vllm_ainfer_pd_*` series of the server's `/metrics`: summed over label sets by name,
+    and the raw lines (one per engine and rank)."""
+    import urllib.request
 
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode(errors="replace")
+    lines = [line for line in text.splitlines() if line.startswith("vllm_ainfer_pd_")]
+    summed: dict[str, float] = {}
+    for line in lines:
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        try:
+            summed[name] = summed.get(name, 0.0) + float(value)
+        except ValueError:
+            pass
+    return summed, lines
+
+
+def serve_parity(args, result: dict) -> None:
     from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
-    from vllm_ainfer_pd.testing.server import VllmServer
 
     flags = ["--dtype", args.dtype, "--max-model-len", "2048", "--max-num-seqs", "32",
              "--gpu-memory-utilization", "0.3", "--seed", "0", "--tensor-parallel-size",
              str(args.tp), "--data-parallel-size", str(args.dp), "--enable-expert-parallel"]
+    if args.disable_custom_all_reduce:
+        flags.append("--disable-custom-all-reduce")
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
+    if args.load_format:
+        flags += ["--load-format", args.load_format]
+    if args.compilation_config is not None:
+        flags += ["--compilation-config", json.dumps(args.compilation_config)]
+    ours_flags = flags + ["--distributed-executor-backend", "ainfer_pd"]
+    if args.additional_config is not None:
+        ours_flags += ["--additional-config", json.dumps(args.additional_config)]
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
-    result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                           "gpu": torch.cuda.get_device_name(0),
-                           "gpus": torch.cuda.device_count()}, "flags": flags}
-    with VllmServer(args.model, flags, name="stock") as stock_srv:
+    result.update(versions=versions(), flags=flags, ours_flags=ours_flags)
+    log_dir = os.environ.get("GPU_PARITY_LOG_DIR")
+    stock_srv = _server(args.model, flags, "stock", log_dir)
+    try:
+        stock_srv.start()
         stock = ServerRunner(stock_srv.url, args.model)
+        t0 = time.time()
         stock_out = run_waves(stock, waves, args.max_tokens)
-        with VllmServer(args.model, flags + ["--distributed-executor-backend", "ainfer_pd"],
-                        name="ours") as ours_srv:
+        result["stock_waves_s"] = time.time() - t0
+        ours_srv = _server(args.model, ours_flags, "ours", log_dir)
+        try:
+            ours_srv.start()
+            t0 = time.time()
             ours_out = run_waves(ServerRunner(ours_srv.url, args.model), waves, args.max_tokens)
+            result["ours_waves_s"] = time.time() - t0
+            result["ours_lane_metrics"], result["ours_lane_metric_lines"] = (
+                lane_metrics(ours_srv.url))
             result["ours_log_has_ainfer_worker"] = "AInferPDScheduler" in ours_srv.log_text()
+        finally:
+            ours_srv.stop()
         report = compare(prompts, stock_out, ours_out, stock.teacher_force)
+    finally:
+        stock_srv.stop()
     result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
     print(report, flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+
+
+def _server(model: str, flags: list[str], name: str, log_dir: str | None):
+    """A `VllmServer` whose log goes to `log_dir` (the GPU machine's log folder) when given, so
+    it survives a run killed at its time limit."""
+    from pathlib import Path
+
+    from vllm_ainfer_pd.testing.server import VllmServer
+
+    server = VllmServer(model, flags, name=name)
+    if log_dir:
+        server.log_path.unlink(missing_ok=True)
+        server.log_path = Path(log_dir) / f"serve-{result_name(name)}.log"
+    return server
+
+
+def result_name(name: str) -> str:
+    return f"{os.environ.get('GPU_PARITY_JOB', 'dp')}-{name}"
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
