@@ -87,3 +87,6 @@ def configure_p_lane(vllm_config, config: AInferPDConfig) -> None:
         )
     register_connector()
     vllm_config.kv_transfer_config = KVTransferConfig(**raw)
+    # What VllmConfig.__post_init__ does for a connector without hybrid-KV (HMA) support; this
+    # runs after it, so repeat it here (vLLM refuses such a connector while HMA is on).
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
