@@ -18,6 +18,7 @@ import time
 
 
 def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int):
+    from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
     from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
     from vllm_ainfer_pd.testing.parity import ServerRunner, run_waves
     from vllm_ainfer_pd.testing.server import VllmServer
@@ -31,17 +32,7 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
     with VllmServer(model, args, cpu_env(tp * dp), name=f"parity-{lane['mode']}") as srv:
         up = time.time() - start
         out = run_waves(ServerRunner(srv.url, model), waves, max_tokens)
-        import urllib.request
-
-        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
-            lines = r.read().decode().splitlines()
-    series = {}
-    for line in lines:
-        if line.startswith("vllm_ainfer_pd_") and "_created" not in line:
-            name, value = line.rsplit(" ", 1)
-            metric, labels = name.split("{", 1)
-            rank = labels.split('rank="')[1].split('"')[0]
-            series.setdefault(rank, {})[metric] = float(value)
+        series = by_rank(read_metrics_text(srv.url))
     return out, {"startup_s": round(up, 1), "lane_by_rank": series}
 
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from vllm_ainfer_pd.rollout.backend_metrics import scrape
+from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text, scrape
 from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.testing.server import VllmServer
@@ -108,16 +108,6 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     metrics = lane_metrics(srv.url)
     assert_lane_ran_beside_d(metrics)
     # Both DP ranks ran every epoch (a rank without P runs a matched no-work epoch).
-    text = scrape_text(srv.url)
-    per_rank = [v for k, v in text.items() if k.startswith("vllm_ainfer_pd_epochs_total{")]
-    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, per_rank
-
-
-def scrape_text(url: str) -> dict[str, float]:
-    """`/metrics` samples by full series name (with labels)."""
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in lines if line and not line.startswith("#")}
+    ranks = by_rank(read_metrics_text(srv.url))
+    per_rank = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks.values()]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, ranks

@@ -112,3 +112,12 @@ def test_report_has_medians_iqr_ratios_and_absent_counters(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())  # strict JSON: NaN became null
     assert data["backends"]["ainfer_pd"]["aggregate"]["makespan_s"]["median"] == 9.0
     assert all((tmp_path / n).stat().st_size > 10_000 for n in ("ccdf.png", "makespan.png"))
+
+
+def test_by_rank_splits_lane_series_by_rank_and_sums_engines():
+    text = ('vllm_ainfer_pd_segments_total{engine="0",rank="0"} 5.0\n'
+            'vllm_ainfer_pd_segments_total{engine="1",rank="1"} 7.0\n'
+            'vllm_ainfer_pd_segments_created{engine="1",rank="1"} 1.7e9\n'
+            'vllm:prompt_tokens_total{engine="0"} 3\n')
+    assert backend_metrics.by_rank(text) == {"0": {"vllm_ainfer_pd_segments_total": 5.0},
+                                             "1": {"vllm_ainfer_pd_segments_total": 7.0}}

@@ -41,10 +41,30 @@ def parse(text: str) -> dict[str, float]:
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
     """`parse` of the server's /metrics; None if the endpoint cannot be read."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-            return parse(r.read().decode(errors="replace"))
+        return parse(read_metrics_text(url, timeout_s))
     except OSError:
         return None
+
+
+def by_rank(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text -> {rank label: {PREFIX sample name: value}} (summed over other labels)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith(PREFIX) or "{" not in line or "_created" in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, labels = series.split("{", 1)
+        if 'rank="' not in labels:
+            continue
+        rank = labels.split('rank="', 1)[1].split('"', 1)[0]
+        out.setdefault(rank, {})
+        out[rank][name] = out[rank].get(name, 0.0) + float(value)
+    return out
+
+
+def read_metrics_text(url: str, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+        return r.read().decode(errors="replace")
 
 
 def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
