@@ -92,6 +92,11 @@ def test_offline_tp2_matches_stock_tp2(tiny_model):
         assert_lane_overlapped_d(status)
         # Both TP ranks ran the same epochs and segments (matched collectives).
         assert status[0]["p_lane"]["segments"] == status[1]["p_lane"]["segments"]
+        # P's TP all-reduces went through the stream route, the same number on both ranks (two
+        # per layer per epoch: attention output and MoE output).
+        lanes = [s["p_lane"] for s in status]
+        assert lanes[0]["p_collectives_routed"] == lanes[1]["p_collectives_routed"] > 0
+        assert lanes[0]["p_collectives_routed"] % lanes[0]["epochs"] == 0
         report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
     print(report)
     assert report.fail == 0, report

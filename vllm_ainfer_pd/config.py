@@ -43,6 +43,9 @@ class AInferPDConfig:
     segment_span: int = 1
     rendezvous: str = "shm"
     timeout_s: float = 120.0
+    # GPU benchmarks: time P's segments and D's iterations with CUDA events and export how much of
+    # P's device time D overlapped (`vllm_ainfer_pd_p_overlap_seconds`). Off: no events at all.
+    overlap_timing: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

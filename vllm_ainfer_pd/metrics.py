@@ -38,6 +38,12 @@ COUNTERS = {
     "jobs_done": ("vllm_ainfer_pd_p_jobs_done", "P jobs completed and promoted to D."),
     "jobs_cancelled": ("vllm_ainfer_pd_p_jobs_cancelled", "P jobs drained after an abort."),
     "jobs_failed": ("vllm_ainfer_pd_p_jobs_failed", "P jobs that failed (recomputed inline)."),
+    "p_collectives_routed": ("vllm_ainfer_pd_p_collectives_routed", "P collectives issued on "
+                             "D's stream (the selective stream route)."),
+    "p_device_s": ("vllm_ainfer_pd_p_device_seconds", "Device time of P's segments "
+                   "(overlap_timing only)."),
+    "p_overlap_s": ("vllm_ainfer_pd_p_overlap_seconds", "Part of P's device time during which "
+                    "D ran too (overlap_timing only)."),
 }
 GAUGES = {"inflight": ("vllm_ainfer_pd_p_jobs_inflight", "P jobs queued or running.")}
 

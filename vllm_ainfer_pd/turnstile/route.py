@@ -78,17 +78,23 @@ class StreamRoute:
         self._lock = threading.Lock()
 
     def register(self, name: str, p_group: Iterable[int],
-                 d_groups: Iterable[Iterable[int]]) -> bool:
+                 d_groups: Iterable[Iterable[int]], *, shared_communicator: bool = False) -> bool:
         """Register P collective `name` issued over `p_group` against all D groups of the job.
 
         Stores it and returns True only when it crosses some D group; returns False (and stores
         nothing) otherwise. Re-registering a name with different groups is a ValueError.
+
+        `shared_communicator`: P issues over the very communicator object D uses (in-place
+        multiplexing in vLLM), so the two share its device state (NCCL's per-communicator order,
+        custom all-reduce's signal flags). Then every D group that shares a rank with P's counts
+        as crossed, even one that contains P's group.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"collective name must be a non-empty str, got {name!r}")
         p = _rank_set("p_group", p_group)
         ds = [_rank_set("d_groups entry", g) for g in d_groups]
-        crossing = tuple(d for d in ds if crosses(p, d))
+        crossing = tuple(d for d in ds
+                         if crosses(p, d) or (shared_communicator and p & d))
         with self._lock:
             old = self._crossed.get(name)
             if old is not None and (old.p_group, old.crossing) != (p, crossing):

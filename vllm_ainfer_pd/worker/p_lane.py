@@ -18,6 +18,7 @@ branch per step: no rendezvous, no thread hand-off.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -39,6 +40,8 @@ from vllm_ainfer_pd.turnstile import (
     Turnstile,
     make_policy,
 )
+from vllm_ainfer_pd.turnstile.route import StreamRoute
+from vllm_ainfer_pd.worker.overlap import OverlapMeter
 from vllm_ainfer_pd.worker.p_batch import PBatchBuilder
 
 if TYPE_CHECKING:
@@ -49,6 +52,49 @@ logger = logging.getLogger(__name__)
 # for 4 x timeout_s, long enough for its peers to give up) just before its pre-D rendezvous of
 # that round, as a hung rank would.
 STALL_ENV = "VLLM_AINFER_PD_TEST_STALL"
+# Set on a P thread while it runs an epoch: `.epoch` (boundary hooks), `.depth` (nested collectives).
+_P_THREAD = threading.local()
+# vLLM's collective entry points (GroupCoordinator methods) that P's forward can reach.
+_COLLECTIVES = ("_all_reduce_out_place", "all_gather", "all_gatherv", "reduce_scatter",
+                "reduce_scatterv", "dispatch_router_logits", "dispatch", "combine")
+
+
+def load_spans(num_boundaries: int) -> tuple[int, ...]:
+    """Spans for the load policy: powers of two below the boundary count, and the count itself
+    (a whole P forward in one release, for a lightly loaded D)."""
+    spans = [1]
+    while spans[-1] * 2 < num_boundaries:
+        spans.append(spans[-1] * 2)
+    return (*spans, num_boundaries) if num_boundaries > spans[-1] else tuple(spans)
+
+
+def _install_collective_route() -> None:
+    """Wrap vLLM's collectives once per process so that a call from a P thread goes through its
+    lane's `issue_collective` (outermost call only: some collectives call others)."""
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    if getattr(GroupCoordinator, "_ainfer_pd_routed", False):
+        return
+    for name in _COLLECTIVES:
+        collective = getattr(GroupCoordinator, name, None)
+        if collective is not None:
+            setattr(GroupCoordinator, name, _routed(collective))
+    GroupCoordinator._ainfer_pd_routed = True
+
+
+def _routed(collective: Any) -> Any:
+    @functools.wraps(collective)
+    def wrapper(group: Any, *args: Any, **kwargs: Any) -> Any:
+        epoch = getattr(_P_THREAD, "epoch", None)
+        if epoch is None or group.world_size == 1 or getattr(_P_THREAD, "depth", 0):
+            return collective(group, *args, **kwargs)
+        _P_THREAD.depth = 1
+        try:
+            return epoch.lane.issue_collective(group, collective, args, kwargs)
+        finally:
+            _P_THREAD.depth = 0
+
+    return wrapper
 
 
 @dataclass
@@ -67,6 +113,10 @@ class LaneStats:
     p_permit_wait_s: float = 0.0  # P waited parked for its next permit
     p_enqueue_s: float = 0.0  # P's host time issuing segments
     rendezvous_s: float = 0.0
+    p_collectives_routed: int = 0  # P collectives issued on D's stream (CPU: counted only)
+    # With `overlap_timing` on GPU: P's device time and the part of it D overlapped (overlap.py).
+    p_device_s: float = 0.0
+    p_overlap_s: float = 0.0
     inflight: int = 0  # P jobs queued or running (a gauge)
 
     def as_dict(self) -> dict[str, float]:
@@ -77,6 +127,7 @@ class LaneStats:
 class _Epoch:
     id: int
     jobs: list[PJob]
+    lane: PLane
     thread: threading.Thread | None = None
     event: Any = None  # GPU: recorded on P's stream after the last segment
     error: BaseException | None = None
@@ -84,6 +135,7 @@ class _Epoch:
     timings: dict[str, float] = field(default_factory=dict)
     # DP > 1: P tokens of each DP rank in this epoch (0: a matched no-work epoch), else None.
     dp_counts: list[int] | None = None
+    reached: int = -1  # the last boundary P published
 
 
 class PLane:
@@ -99,21 +151,22 @@ class PLane:
         self.config = config
         self.rank = rank
         self.vllm_config = runner.vllm_config
-        decoder = runner.get_model().model
-        if not hasattr(decoder, "layers") or not hasattr(decoder, "embed_input_ids"):
-            raise TypeError(
-                f"the P lane drives decoder layers itself and does not know "
-                f"{type(decoder).__name__} (it needs .embed_input_ids and .layers)"
-            )
-        self.decoder = decoder
-        self.layers = list(decoder.layers)
+        self.model = runner.get_model()
+        self.num_boundaries = self._install_boundaries()
+        self.is_cuda = runner.device.type == "cuda"
+        self.p_stream = torch.cuda.Stream(device=runner.device) if self.is_cuda else None
+        # P reuses vLLM's communicators, so every P collective goes on D's stream (route.py).
+        self.route = StreamRoute()
+        _install_collective_route()
+        self.overlap = OverlapMeter() if config.overlap_timing and self.is_cuda else None
         self.builder = PBatchBuilder(runner)
         self.controller = SegmentController(rank=rank, span=config.segment_span,
                                             timeout_s=config.timeout_s)
         self.turnstile = Turnstile(
             self.controller,
             rendezvous or NullRendezvous(config.timeout_s),
-            make_policy(config.segment_policy, k=config.segment_span),
+            make_policy(config.segment_policy, k=config.segment_span,
+                        spans=load_spans(self.num_boundaries)),
             config.ordering,
             # The lane ends an epoch in `after_d`, so it fences there (`_end_epoch`); the
             # turnstile's own pre-D fence never sees a finished epoch.
@@ -136,8 +189,40 @@ class PLane:
         self._stall_round = (int(stall.split(":")[1])
                              if stall and int(stall.split(":")[0]) == rank else None)
         self._threads = torch.get_num_threads()
-        self.is_cuda = runner.device.type == "cuda"
-        self.p_stream = torch.cuda.Stream(device=runner.device) if self.is_cuda else None
+
+    def _install_boundaries(self) -> int:
+        """Make each attention call a P boundary: on the P thread, layer i's attention first
+        publishes boundary i + 1 (boundary 0 is the forward's entry). vLLM runs the attention op
+        outside its compiled pieces (the piecewise split points; an opaque custom op otherwise),
+        so P runs the same compiled code as a stock prefill and still stops between layers, with
+        no collective in flight. D's eager attention calls pay one thread-local lookup.
+        Returns the number of boundaries (layers + 1)."""
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        by_layer: dict[int, list[Any]] = collections.defaultdict(list)
+        for name, module in self.vllm_config.compilation_config.static_forward_context.items():
+            if isinstance(module, AttentionLayerBase) and hasattr(module, "impl"):
+                by_layer[extract_layer_index(name)].append(module)
+        if (sorted(by_layer) != list(range(len(by_layer)))
+                or any(len(m) != 1 for m in by_layer.values())):
+            raise TypeError(
+                f"the P lane stops at attention layers and needs exactly one per decoder layer; "
+                f"{type(self.model).__name__} has {dict((i, len(m)) for i, m in by_layer.items())}"
+            )
+        for index, (module,) in by_layer.items():
+            module.impl.forward = self._stop_before(module.impl.forward, index + 1)
+        return len(by_layer) + 1
+
+    def _stop_before(self, attention: Any, boundary: int) -> Any:
+        @functools.wraps(attention)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            epoch = getattr(_P_THREAD, "epoch", None)
+            if epoch is not None and epoch.lane is self:
+                self._boundary(epoch, boundary)
+            return attention(*args, **kwargs)
+
+        return forward
 
     # ---- connector side (main thread, inside vLLM's step) -------------------------------------
 
@@ -174,6 +259,8 @@ class PLane:
         return self.epoch is not None
 
     def before_d(self) -> None:
+        if self.overlap is not None and (self.epoch is not None or self.finishing):
+            self.overlap.start("d")
         if self.epoch is None and not self.synced:
             return
         if self._stall_round == self.turnstile.rendezvous.round:
@@ -189,6 +276,11 @@ class PLane:
     def after_d(self, load: Load | None = None, d_tokens: int = 0) -> None:
         """Release P's next segment after this round's D, or open an epoch for queued jobs, then
         wait until P stops again (its host work for the segment is done)."""
+        if self.overlap is not None:
+            self.overlap.end("d")
+            p_s, overlap_s = self.overlap.collect()
+            self.stats.p_device_s += p_s
+            self.stats.p_overlap_s += overlap_s
         if self.synced:
             load = self._post_d_synced(load or Load())
             if self.epoch is None:
@@ -242,14 +334,16 @@ class PLane:
     def _open_epoch(self, load: Load | None, dp_counts: list[int] | None = None) -> None:
         jobs = [j for j in self.pending if j.key not in self.cancelled]
         self.pending.clear()
-        epoch = _Epoch(self._next_epoch, jobs, dp_counts=dp_counts)
+        epoch = _Epoch(self._next_epoch, jobs, self, dp_counts=dp_counts)
         self._next_epoch += 1
         self.stats.epochs += 1
         self.stats.p_tokens += sum(j.end - j.start for j in jobs)
         self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
         if self.p_stream is not None:
             # P reads prefix blocks D wrote in earlier steps: order P after all of D's work so far.
-            self.p_stream.wait_stream(torch.cuda.current_stream())
+            d_stream = torch.cuda.current_stream()
+            self.p_stream.wait_stream(d_stream)
+            self.route.set_d_stream(d_stream)
         epoch.thread = threading.Thread(
             target=self._run_epoch, args=(epoch,), name=f"ainfer-pd-P{self.rank}", daemon=True
         )
@@ -291,6 +385,9 @@ class PLane:
 
     def _boundary(self, epoch: _Epoch, boundary: int) -> None:
         """Publish `boundary`; if it is the permit, hand the forward context back and park."""
+        epoch.reached = boundary
+        if self.overlap is not None:
+            self.overlap.end("p")
         mine = forward_context._forward_context
         forward_context._forward_context = epoch.outer_context
         now = time.perf_counter()
@@ -303,9 +400,12 @@ class PLane:
             epoch.timings["resumed"] = resumed
             epoch.outer_context = forward_context._forward_context
             forward_context._forward_context = mine
+            if self.overlap is not None:
+                self.overlap.start("p")
 
     def _run_epoch(self, epoch: _Epoch) -> None:
         torch.set_num_threads(self._threads)
+        _P_THREAD.epoch = epoch
         try:
             self.controller.attach(epoch.id, name=threading.current_thread().name)
             epoch.outer_context = forward_context._forward_context
@@ -314,6 +414,8 @@ class PLane:
                 self._boundary(epoch, 0)
                 if epoch.jobs or epoch.dp_counts is not None:
                     self._forward(epoch)
+                if self.overlap is not None:
+                    self.overlap.end("p")
                 if self.p_stream is not None:
                     epoch.event = torch.cuda.Event()
                     epoch.event.record(self.p_stream)
@@ -322,6 +424,8 @@ class PLane:
         except BaseException as exc:  # reported to the main thread, which fails the jobs
             epoch.error = exc
             self.controller.fail(epoch.id, exc)
+        finally:
+            _P_THREAD.epoch = None
 
     def _stream(self) -> Any:
         if self.p_stream is None:
@@ -330,14 +434,12 @@ class PLane:
         return torch.cuda.stream(self.p_stream)
 
     def _forward(self, epoch: _Epoch) -> None:
-        """P's eager forward through the decoder layers, parking at each layer boundary. No final
-        norm and no logits: P only fills KV; the promoted request's last prompt token runs in D.
-        A DP rank without jobs runs one dummy token with no attention metadata (no KV written),
-        so its MoE collectives match the other ranks' P."""
-        if epoch.jobs:
-            batch = self.builder.build(epoch.jobs)
-        else:
-            batch = self.builder.no_work()
+        """P's forward: the model's own (compiled, where vLLM compiles) forward without CUDA
+        graphs, over the epoch's batch, parking at each attention layer (`_install_boundaries`).
+        Its hidden states are dropped: P only fills KV; the promoted request's last prompt token
+        runs in D. A DP rank without jobs runs one dummy token with no attention metadata (no KV
+        written), so its MoE collectives match the other ranks' P."""
+        batch = self.builder.build(epoch.jobs) if epoch.jobs else self.builder.no_work()
         across_dp = None
         if epoch.dp_counts is not None:
             across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
@@ -348,13 +450,32 @@ class PLane:
             num_tokens_across_dp=across_dp,
             cudagraph_runtime_mode=CUDAGraphMode.NONE,
             slot_mapping=batch.slot_mapping,
-            skip_compiled=True,
         ):
-            hidden = self.decoder.embed_input_ids(batch.input_ids)
-            residual = None
-            for i, layer in enumerate(self.layers):
-                self._boundary(epoch, i + 1)
-                hidden, residual = layer(batch.positions, hidden, residual)
+            self.model(input_ids=batch.input_ids, positions=batch.positions,
+                       intermediate_tensors=None, inputs_embeds=None)
+        if epoch.reached != self.num_boundaries - 1:
+            raise RuntimeError(
+                f"P's forward published boundaries up to {epoch.reached}, expected "
+                f"{self.num_boundaries - 1}: the attention hooks did not run"
+            )
+
+    def issue_collective(self, group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
+        """A P collective (called on the P thread by `_install_collective_route`'s wrappers).
+        P shares vLLM's communicators with D, and their device state (NCCL's per-communicator
+        order, custom all-reduce's signal flags) does not survive use from two streams at once, so
+        it runs on D's stream, after the D iteration the turnstile released this segment behind."""
+        name = group.unique_name
+        if not self.route.is_crossed(name):
+            self.route.register(name, group.ranks, [group.ranks], shared_communicator=True)
+        self.stats.p_collectives_routed += 1
+        with self.route.route(name):
+            out = collective(group, *args, **kwargs)
+        if self.p_stream is not None:
+            # Made on D's stream, used on P's: keep the allocator from handing it to D too soon.
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self.p_stream)
+        return out
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
