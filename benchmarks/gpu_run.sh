@@ -7,6 +7,11 @@
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
+#   tp1bi tp2bi dp2bi   bf16 parity with VLLM_BATCH_INVARIANT=1 (tp1bi also runs TP=1 without it)
+#   floor      benchmarks/physical_floor.py --measure on GPU 0 (gpu preset, gpu-quick trace)
+#   bench1     TP=1 rollout: stock + normal (GPU 0) beside pd + pd_k1 (GPU 1), merged report
+#   ladder1    TP=1 rollout, global-enqueue (GPU 0) beside global-complete (GPU 1)
+#   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
@@ -45,6 +50,25 @@ tp1() {  # $1: name suffix
   fi
 }
 
+# Rollout comparisons on the `gpu` model preset (.gpu/gpu-model: config + tokenizer, weights made
+# by vLLM with --load-format dummy), trace preset gpu-quick, 3 repetitions, waits halved.
+ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wait-scale 0.5 --no-progress"
+V_NORMAL='normal={"ainfer_pd": {"mode": "normal"}}'
+V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
+V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
+V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
+V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
+TP2_COMPILE='--serve-arg=--compilation-config={"pass_config":{"fuse_allreduce_rms":false}}'
+
+compare() {  # name gpus args...   (one `rollout compare`; SIGINT at the limit still writes a report)
+  local name=$1 gpus=$2; shift 2
+  echo "== $name (GPUs $gpus): rollout compare $*"
+  CUDA_VISIBLE_DEVICES=$gpus timeout -s INT -k 90 $T python3 -m vllm_ainfer_pd.rollout compare \
+    $ROLLOUT "$@" --out $OUT/$name > /tmp/gpu-logs/$name.log 2>&1
+  echo "== $name: rc=$?"; cp $OUT/$name/server-*.log /tmp/gpu-logs/ 2>/dev/null
+  rm -f $OUT/$name/server-*.log
+}
+
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for job in "$@"; do
@@ -56,6 +80,28 @@ for job in "$@"; do
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
     dp2) parity dp2_ep_${DT:-bfloat16}${DP2_SUFFIX:-} 0,1 --model ${DP2_MODEL:-.gpu/tiny} --dp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${DP2_FLAGS:-} ;;
+    tp1bi)  # compiled P, bf16: with vLLM's batch-invariant kernels (GPU 0) and without (GPU 1)
+      VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_bi 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" &
+      parity tp1_bfloat16_cp 1 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" &
+      wait ;;
+    tp2bi) VLLM_BATCH_INVARIANT=1 parity tp2_bfloat16_bi 0,1 --model .gpu/tiny --tp 2 --dtype bfloat16 \
+             --additional-config "$LANE" --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
+    dp2bi) VLLM_BATCH_INVARIANT=1 parity dp2_ep_bfloat16_bi 0,1 --model .gpu/tiny --dp 2 --dtype bfloat16 \
+             --additional-config "$LANE" ;;
+    floor) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/physical_floor.py --model-preset gpu \
+             --trace-preset gpu-quick --measure --json-out $OUT/floor.json ;;
+    bench1)  # TP=1: stock + normal on GPU 0 while pd + pd_k1 run on GPU 1, then one report
+      compare bench1_gpu0 0 --variant "$V_NORMAL" --only stock,normal &
+      compare bench1_gpu1 1 --variant "$V_PD" --variant "$V_PD_K1" --only pd,pd_k1 &
+      wait
+      python3 -m vllm_ainfer_pd.rollout merge $OUT/bench1_gpu0/report.json \
+        $OUT/bench1_gpu1/report.json --out $OUT/bench1 > /tmp/gpu-logs/bench1_merge.log 2>&1 ;;
+    ladder1)  # TP=1 ordering ladder: global-enqueue on GPU 0, global-complete on GPU 1
+      compare ladder1_gpu0 0 --variant "$V_GENQ" --only pd_genq &
+      compare ladder1_gpu1 1 --variant "$V_GCOMP" --only pd_gcomp &
+      wait ;;
+    bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
+              --only stock,normal,pd ;;
     *) echo "unknown job $job" ;;
   esac
   echo "   elapsed $(( $(date +%s) - start )) s"
@@ -64,5 +110,6 @@ python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch._
 tar -C /tmp/gpu-logs -czf $OUT/logs.tar.gz . 2>/dev/null
 for f in /tmp/gpu-logs/*.log; do
   echo "---- $(basename $f): last lines"
-  grep -E "Error|error|Traceback|parity:|rank [0-9]+:|vllm_ainfer_pd_|P lane rank" $f | tail -25
+  grep -E "Error|error|Traceback|parity:|rank [0-9]+:|vllm_ainfer_pd_|P lane rank|\[rollout\]" $f | tail -12
 done
+for f in $OUT/*/report.md; do echo "---- $f"; sed -n '/^| metric/,/^$/p' $f; done

@@ -37,3 +37,11 @@ def test_backends_differ_only_in_their_own_flags():
 def test_bad_settings_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CompareConfig("m", Path("o"), **kwargs)
+
+
+def test_only_runs_the_named_backends_and_rejects_unknown_names():
+    variants = (("normal", '{"ainfer_pd": {"mode": "normal"}}'),)
+    cfg = CompareConfig("m", Path("o"), variants=variants, only=("stock", "normal"))
+    assert list(cfg.backends()) == ["stock", "normal"]
+    with pytest.raises(ValueError, match=r"no backend named \['nromal'\]"):
+        CompareConfig("m", Path("o"), variants=variants, only=("nromal",))

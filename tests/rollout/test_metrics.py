@@ -114,6 +114,24 @@ def test_report_has_medians_iqr_ratios_and_absent_counters(tmp_path):
     assert all((tmp_path / n).stat().st_size > 10_000 for n in ("ccdf.png", "makespan.png"))
 
 
+def test_merge_joins_parts_run_on_different_devices(tmp_path):
+    def part(name, makespans):
+        runs = [_run(name, i, m, {}) for i, m in enumerate(makespans)]
+        built = report.build({"reps": 3, "schedule": f"sequential ({name})"},
+                             {name: {"args": [], "error": None, "runs": runs}})
+        report.write(built, tmp_path / name)  # through JSON, as `merge` reads it
+        return json.loads((tmp_path / name / "report.json").read_text())
+
+    merged = report.merge([part("stock", [10, 12, 11]), part("ainfer_pd", [8, 9, 10])])
+    assert list(merged["backends"]) == ["stock", "ainfer_pd"]
+    assert merged["backends"]["ainfer_pd"]["aggregate"]["makespan_s"]["median"] == 9.0
+    assert "part 1 (ainfer_pd): sequential (ainfer_pd)" in merged["meta"]["schedule"]
+    assert "| makespan (s) | 11.0 [10.5, 11.5] | 9.00 [8.50, 9.50] | 0.818 |" in \
+        report.markdown(merged)
+    with pytest.raises(ValueError, match="'stock' appears in more than one report"):
+        report.merge([part("stock", [1, 2, 3]), part("stock", [1, 2, 3])])
+
+
 def test_by_rank_splits_lane_series_by_rank_and_sums_engines():
     text = ('vllm_ainfer_pd_segments_total{engine="0",rank="0"} 5.0\n'
             'vllm_ainfer_pd_segments_total{engine="1",rank="1"} 7.0\n'

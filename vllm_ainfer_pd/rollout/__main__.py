@@ -149,6 +149,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         tp=args.tp, dp=args.dp, enable_expert_parallel=args.enable_expert_parallel,
         extra_args=tuple(args.serve_arg), variants=tuple(args.variant),
         extra_backends=tuple(args.backend),
+        only=tuple(n for n in args.only.split(",") if n) if args.only else (),
         concurrency=args.concurrency, timeout_s=args.timeout, progress=not args.no_progress,
         meta={"trace_source": str(args.trace) if args.trace else
               f"preset {args.preset or 'cpu'} seed {args.seed}"})
@@ -158,6 +159,17 @@ def cmd_compare(args: argparse.Namespace) -> None:
     print("written: " + ", ".join(str(p) for p in paths))
     if any(b["error"] for b in rep["backends"].values()):
         sys.exit(1)
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    import json
+
+    from vllm_ainfer_pd.rollout import report
+
+    merged = report.merge([json.loads(p.read_text()) for p in args.reports])
+    paths = report.write(merged, args.out)
+    print(report.markdown(merged))
+    print("written: " + ", ".join(str(p) for p in paths))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -206,7 +218,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--serve-arg", action="append", default=[],
                    help="extra `vllm serve` flag for every server (repeat; e.g. "
                         "--serve-arg=--max-num-seqs=64)")
+    c.add_argument("--only", default=None,
+                   help="comma-separated backend names to run (e.g. one GPU's share of a "
+                        "comparison; join the parts with `merge`)")
     c.set_defaults(fn=cmd_compare)
+
+    m = sub.add_parser("merge", help="join the report.json of comparisons run with --only")
+    m.add_argument("reports", type=Path, nargs="+", help="report.json files, base backend first")
+    m.add_argument("--out", type=Path, required=True, help="output folder (report.md, plots)")
+    m.set_defaults(fn=cmd_merge)
     return p
 
 

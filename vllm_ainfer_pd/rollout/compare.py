@@ -55,6 +55,7 @@ class CompareConfig:
     schedule: str = "interleaved"
     variants: tuple[tuple[str, str], ...] = ()
     extra_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    only: tuple[str, ...] = ()  # run just these backends (e.g. one GPU's share; see `merge`)
     concurrency: int = 256
     timeout_s: float = 600.0
     progress: bool = True
@@ -72,6 +73,10 @@ class CompareConfig:
         names = ["stock", "ainfer_pd"] + [n for n, _ in self.variants + self.extra_backends]
         if len(set(names)) != len(names):
             raise ValueError(f"backend names must be unique, got {names}")
+        unknown = sorted(set(self.only) - set(names))
+        if unknown:
+            raise ValueError(f"only={list(self.only)}: no backend named {unknown}; "
+                             f"backends: {names}")
         for name, raw in self.variants:
             try:
                 json.loads(raw)
@@ -85,7 +90,7 @@ class CompareConfig:
             out[name] = [*AINFER, "--additional-config", raw]
         for name, flags in self.extra_backends:
             out[name] = list(flags)
-        return out
+        return {n: a for n, a in out.items() if not self.only or n in self.only}
 
     def common_args(self) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
@@ -216,12 +221,17 @@ def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path
     cfg.out.mkdir(parents=True, exist_ok=True)
     dump_trace(trace, cfg.out / "trace.jsonl")
     runners = [_Backend(cfg, name, args) for name, args in cfg.backends().items()]
-    if cfg.schedule == "interleaved":
-        _run_interleaved(runners, trace, cfg.reps)
-        order = "all servers up at once; backend order alternates between repetitions"
-    else:
-        _run_sequential(runners, trace, cfg.reps)
-        order = "one server at a time, in this order: " + " -> ".join(b.name for b in runners)
+    interrupted = None
+    try:
+        if cfg.schedule == "interleaved":
+            _run_interleaved(runners, trace, cfg.reps)
+            order = "all servers up at once; backend order alternates between repetitions"
+        else:
+            _run_sequential(runners, trace, cfg.reps)
+            order = "one server at a time, in this order: " + " -> ".join(b.name for b in runners)
+    except KeyboardInterrupt as e:  # e.g. a wall-clock limit's SIGINT: report what finished
+        interrupted = e
+        order = "interrupted before the end; the runs that finished"
     backends = {b.name: b.result for b in runners}
     meta = {**cfg.meta, "model": cfg.model, "platform": cfg.platform, "reps": cfg.reps,
             "wait_scale": cfg.wait_scale,
@@ -234,4 +244,7 @@ def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path
                                            for u in t.turns),
                       **{k: v for k, v in trace.meta.items() if isinstance(v, (str, int))}}}
     rep = report.build(meta, backends)
-    return rep, report.write(rep, cfg.out)
+    paths = report.write(rep, cfg.out)
+    if interrupted is not None:
+        raise interrupted
+    return rep, paths

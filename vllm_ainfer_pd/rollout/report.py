@@ -35,7 +35,7 @@ METRICS = [
 def _get(summary: dict, path: str) -> float:
     for part in path.split("."):
         summary = summary[part]
-    return float(summary)
+    return math.nan if summary is None else float(summary)  # report.json writes NaN as null
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -59,6 +59,23 @@ def build(meta: dict[str, Any], backends: dict[str, dict[str, Any]]) -> dict[str
     for b in backends.values():
         b["aggregate"] = aggregate(b["runs"]) if b["runs"] else {}
     return {"meta": meta, "backends": backends}
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs of the same comparison split over devices (`compare --only`):
+    backends in the given order (the first report's first backend is the ratios' base), the first
+    report's meta plus each part's schedule and backends."""
+    backends: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        for name, b in r["backends"].items():
+            if name in backends:
+                raise ValueError(f"backend {name!r} appears in more than one report")
+            backends[name] = {k: v for k, v in b.items() if k != "aggregate"}
+    meta = dict(reports[0]["meta"])
+    meta["schedule"] = "; ".join(
+        f"part {i} ({', '.join(r['backends'])}): {r['meta'].get('schedule', '?')}"
+        for i, r in enumerate(reports))
+    return build(meta, backends)
 
 
 def _fmt(x: float) -> str:
