@@ -9,7 +9,8 @@
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   tp1bi tp2bi dp2bi   bf16 parity with VLLM_BATCH_INVARIANT=1 (tp1bi also runs TP=1 without it)
 #   floor      benchmarks/physical_floor.py --measure on GPU 0 (gpu preset, gpu-quick trace)
-#   bench1     TP=1 rollout: stock + normal (GPU 0) beside pd + pd_k1 (GPU 1), merged report
+#   bench1     TP=1 rollout: stock + normal (GPU 0) beside pd + pd_k1 (GPU 1), merged report;
+#              one GPU: stock, normal, pd one after another
 #   ladder1    TP=1 rollout, global-enqueue (GPU 0) beside global-complete (GPU 1)
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
@@ -81,8 +82,10 @@ for job in "$@"; do
     dp2) parity dp2_ep_${DT:-bfloat16}${DP2_SUFFIX:-} 0,1 --model ${DP2_MODEL:-.gpu/tiny} --dp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${DP2_FLAGS:-} ;;
     tp1bi)  # compiled P, bf16: with vLLM's batch-invariant kernels (GPU 0) and without (GPU 1)
+      g=$(( NGPU > 1 ? 1 : 0 ))
       VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_bi 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" &
-      parity tp1_bfloat16_cp 1 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" &
+      [[ $NGPU -ge 2 ]] || { wait; [[ -n ${SKIP_CP:-} ]] && continue; }
+      parity tp1_bfloat16_cp $g --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" &
       wait ;;
     tp2bi) VLLM_BATCH_INVARIANT=1 parity tp2_bfloat16_bi 0,1 --model .gpu/tiny --tp 2 --dtype bfloat16 \
              --additional-config "$LANE" --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
@@ -91,6 +94,9 @@ for job in "$@"; do
     floor) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/physical_floor.py --model-preset gpu \
              --trace-preset gpu-quick --measure --json-out $OUT/floor.json ;;
     bench1)  # TP=1: stock + normal on GPU 0 while pd + pd_k1 run on GPU 1, then one report
+      if [[ $NGPU -lt 2 ]]; then
+        compare bench1 0 --variant "$V_NORMAL" --variant "$V_PD" --only stock,normal,pd; continue
+      fi
       compare bench1_gpu0 0 --variant "$V_NORMAL" --only stock,normal &
       compare bench1_gpu1 1 --variant "$V_PD" --variant "$V_PD_K1" --only pd,pd_k1 &
       wait

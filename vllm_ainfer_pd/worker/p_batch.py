@@ -51,15 +51,22 @@ class PBatchBuilder:
             self.groups.append((table.block_size, table.blocks_per_kv_block, builders))
         if not self.groups:
             raise ValueError("the P lane needs a model with attention KV cache groups")
+        # P runs D's compiled graph, which vLLM calls without guards: P's inputs must have the
+        # dtypes D's persistent buffers gave it at compile time (input ids are int32 there; an
+        # int64 tensor would be read as pairs of int32 words).
+        self.ids_dtype = getattr(runner.input_ids, "gpu", runner.input_ids).dtype
+        self.positions_dtype = getattr(runner.positions, "gpu", runner.positions).dtype
 
     def no_work(self) -> PBatch:
         """One dummy token, no attention metadata and no KV slots: attention writes nothing."""
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        return PBatch(input_ids=zero, positions=zero.clone(), attn_metadata=None,
+        return PBatch(input_ids=torch.zeros(1, dtype=self.ids_dtype, device=self.device),
+                      positions=torch.zeros(1, dtype=self.positions_dtype, device=self.device),
+                      attn_metadata=None,
                       slot_mapping={}, num_tokens=1)
 
     def build(self, jobs: list[PJob]) -> PBatch:
         ids = np.concatenate([np.asarray(j.token_ids, dtype=np.int64) for j in jobs])
+        positions_dtype = torch.empty(0, dtype=self.positions_dtype).numpy().dtype
         positions = np.concatenate([np.arange(j.start, j.end, dtype=np.int64) for j in jobs])
         query_lens = np.array([j.end - j.start for j in jobs], dtype=np.int32)
         seq_lens = np.array([j.end for j in jobs], dtype=np.int32)
@@ -85,7 +92,7 @@ class PBatchBuilder:
             max_seq_len=int(seq_lens.max()),
             causal=True,
             is_prefilling=torch.ones(len(jobs), dtype=torch.bool, device=dev),
-            positions=to_dev(positions),
+            positions=to_dev(positions.astype(positions_dtype)),
         )
         attn_metadata: dict[str, Any] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
@@ -100,7 +107,7 @@ class PBatchBuilder:
                     attn_metadata[name] = md
                     slot_mapping[name] = cm.slot_mapping
         return PBatch(
-            input_ids=to_dev(ids),
+            input_ids=to_dev(ids).to(self.ids_dtype),
             positions=common["positions"],
             attn_metadata=attn_metadata,
             slot_mapping=slot_mapping,
