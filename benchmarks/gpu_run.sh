@@ -102,6 +102,7 @@ for job in "$@"; do
       wait
       python3 -m vllm_ainfer_pd.rollout merge $OUT/bench1_gpu0/report.json \
         $OUT/bench1_gpu1/report.json --out $OUT/bench1 > /tmp/gpu-logs/bench1_merge.log 2>&1 ;;
+    bench1pd) compare bench1_pd 0 --variant "$V_PD" --only pd ;;  # pd alone (a re-run)
     ladder1)  # TP=1 ordering ladder: global-enqueue on GPU 0, global-complete on GPU 1
       compare ladder1_gpu0 0 --variant "$V_GENQ" --only pd_genq &
       compare ladder1_gpu1 1 --variant "$V_GCOMP" --only pd_gcomp &

@@ -15,6 +15,7 @@ from vllm_ainfer_pd.plugin import check_vllm_version
 
 WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
 SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDAsyncScheduler"
 # What vLLM's platforms put in `parallel_config.worker_cls` for "auto"; any other value is a user's
 # own worker, which this backend cannot wrap.
 PLATFORM_WORKERS = (
@@ -25,13 +26,9 @@ PLATFORM_WORKERS = (
 
 
 class AInferPDExecutor(MultiprocExecutor):
-    # Phase 1 is synchronous: the P lane's lifecycle is reported in step outputs, which async
-    # scheduling would place one step ahead of the scheduler's view.
+    # Async scheduling (vLLM's GPU default; the CPU platform turns it off) is MultiprocExecutor's:
+    # the P lane's reports travel in the step outputs like any KV connector's.
     supports_pp = False
-
-    @classmethod
-    def supports_async_scheduling(cls) -> bool:
-        return False
 
     @staticmethod
     def validate(vllm_config) -> AInferPDConfig:
@@ -51,7 +48,7 @@ class AInferPDExecutor(MultiprocExecutor):
                 f"ainfer_pd chooses its own worker; got worker_cls={parallel.worker_cls!r}"
             )
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls
-        if scheduler_cls not in (None, SCHEDULER_CLS):
+        if scheduler_cls not in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
             raise ConfigError(
                 f"ainfer_pd chooses its own scheduler; got scheduler_cls={scheduler_cls!r}"
             )
@@ -63,7 +60,9 @@ class AInferPDExecutor(MultiprocExecutor):
         # These mutations are seen by EngineCore and the workers it spawns (the config is pickled
         # to them), not by the API server's copy.
         self.parallel_config.worker_cls = WORKER_CLS
-        self.vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS
+        scheduler = self.vllm_config.scheduler_config
+        scheduler.scheduler_cls = ASYNC_SCHEDULER_CLS if scheduler.async_scheduling \
+            else SCHEDULER_CLS
         super()._init_executor()
 
 

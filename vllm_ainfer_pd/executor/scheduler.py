@@ -8,13 +8,16 @@ what remains of the token budget and free KV blocks. Admission of new P then spl
   budget, KV blocks reserved via `allocate_slots(..., reserved_blocks=...)`, which keeps in-flight
   reservations from eating running D's future blocks).
 
-Without a KV connector (today's served product) this class behaves exactly like vLLM's Scheduler.
+Without a KV connector (`mode="normal"`) it behaves exactly like vLLM's scheduler. There are two
+classes, one per vLLM base: `AInferPDAsyncScheduler` when vLLM's async scheduling is on (the GPU
+default: the next step is scheduled while the current one runs), `AInferPDScheduler` otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
@@ -22,7 +25,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm_ainfer_pd.connector import AInferPDConnector, DState
 
 
-class AInferPDScheduler(Scheduler):
+class _PLaneScheduling(Scheduler):
     @property
     def p_lane(self) -> AInferPDConnector | None:
         """The P lane's connector, or None when the lane is not configured."""
@@ -64,3 +67,11 @@ class AInferPDScheduler(Scheduler):
         super()._update_from_kv_xfer_finished(
             dataclasses.replace(kv_connector_output, finished_recving=current)
         )
+
+
+class AInferPDScheduler(_PLaneScheduling):
+    pass
+
+
+class AInferPDAsyncScheduler(_PLaneScheduling, AsyncScheduler):
+    pass

@@ -18,6 +18,7 @@ branch per step: no rendezvous, no thread hand-off.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -126,8 +127,9 @@ class LaneStats:
 @dataclass
 class _Epoch:
     id: int
-    jobs: list[PJob]
+    jobs: list[PJob]  # reported when the epoch's device work completes
     lane: PLane
+    chunks: list[PJob] = field(default_factory=list)  # what P computes: jobs or parts of them
     thread: threading.Thread | None = None
     event: Any = None  # GPU: recorded on P's stream after the last segment
     error: BaseException | None = None
@@ -173,6 +175,11 @@ class PLane:
             device_fence=lambda epoch: None,
         )
         self.pending: collections.deque[PJob] = collections.deque()
+        # An epoch is one forward of D's compiled graph, which vLLM compiled for at most the
+        # step token budget (its compile ranges): a longer prompt is prefilled over several
+        # epochs, and `split` maps it to the epoch that ran its latest part.
+        self.max_epoch_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        self.split: dict[JobKey, _Epoch] = {}
         self.cancelled: set[JobKey] = set()
         self.epoch: _Epoch | None = None
         self.finishing: list[_Epoch] = []  # finished on the host; GPU work may still run
@@ -235,6 +242,11 @@ class PLane:
             for job in list(self.pending):
                 if job.key == key:
                     self.pending.remove(job)
+                    earlier = self.split.pop(key, None)
+                    if earlier is not None and (earlier is self.epoch
+                                                or earlier in self.finishing):
+                        earlier.jobs.append(job)  # reported once its earlier part drained
+                        continue
                     self.reports.append((job, False))
                     self.stats.jobs_cancelled += 1
         self.stats.inflight = self._inflight()
@@ -332,12 +344,24 @@ class PLane:
             self._end_epoch(failed=self.epoch.error if self.epoch else None)
 
     def _open_epoch(self, load: Load | None, dp_counts: list[int] | None = None) -> None:
-        jobs = [j for j in self.pending if j.key not in self.cancelled]
-        self.pending.clear()
-        epoch = _Epoch(self._next_epoch, jobs, self, dp_counts=dp_counts)
+        epoch = _Epoch(self._next_epoch, [], self, dp_counts=dp_counts)
+        left = self.max_epoch_tokens
+        while self.pending and left > 0:
+            job = self.pending.popleft()
+            if job.end - job.start > left:  # the rest waits for the next epoch
+                cut = job.start + left
+                self.pending.appendleft(dataclasses.replace(
+                    job, start=cut, token_ids=job.token_ids[left:]))
+                job = dataclasses.replace(job, end=cut, token_ids=job.token_ids[:left])
+                self.split[job.key] = epoch
+            else:
+                self.split.pop(job.key, None)
+                epoch.jobs.append(job)
+            epoch.chunks.append(job)
+            left -= job.end - job.start
         self._next_epoch += 1
         self.stats.epochs += 1
-        self.stats.p_tokens += sum(j.end - j.start for j in jobs)
+        self.stats.p_tokens += sum(j.end - j.start for j in epoch.chunks)
         self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
         if self.p_stream is not None:
             # P reads prefix blocks D wrote in earlier steps: order P after all of D's work so far.
@@ -357,9 +381,15 @@ class PLane:
         epoch.thread.join(timeout=self.config.timeout_s)
         if failed is not None:
             logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, failed)
-            for job in epoch.jobs:
+            failed_jobs = list(epoch.jobs)
+            for job in list(self.pending):  # the rest of a prompt split over this epoch
+                if self.split.get(job.key) is epoch:
+                    del self.split[job.key]
+                    self.pending.remove(job)
+                    failed_jobs.append(job)
+            for job in failed_jobs:
                 self.reports.append((job, True))
-            self.stats.jobs_failed += len(epoch.jobs)
+            self.stats.jobs_failed += len(failed_jobs)
             return
         if self.turnstile.mode.fences_device and epoch.event is not None:
             epoch.event.synchronize()  # global-complete: D waits for the whole P on the device
@@ -412,7 +442,7 @@ class PLane:
             epoch.timings["resumed"] = time.perf_counter()
             with torch.inference_mode(), self._stream():
                 self._boundary(epoch, 0)
-                if epoch.jobs or epoch.dp_counts is not None:
+                if epoch.chunks or epoch.dp_counts is not None:
                     self._forward(epoch)
                 if self.overlap is not None:
                     self.overlap.end("p")
@@ -439,7 +469,7 @@ class PLane:
         Its hidden states are dropped: P only fills KV; the promoted request's last prompt token
         runs in D. A DP rank without jobs runs one dummy token with no attention metadata (no KV
         written), so its MoE collectives match the other ranks' P."""
-        batch = self.builder.build(epoch.jobs) if epoch.jobs else self.builder.no_work()
+        batch = self.builder.build(epoch.chunks) if epoch.chunks else self.builder.no_work()
         across_dp = None
         if epoch.dp_counts is not None:
             across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
