@@ -198,7 +198,8 @@ def _scheduler_of(llm):
     return scheduler, lane
 
 
-def _build_engine(model: str, p_lane_min_tokens: int, kv_blocks: int | None = None):
+def _build_engine(model: str, p_lane_min_tokens: int, kv_blocks: int | None = None,
+                  max_num_batched_tokens: int | None = None):
     from vllm import LLM
 
     from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, apply_cpu_env
@@ -209,6 +210,8 @@ def _build_engine(model: str, p_lane_min_tokens: int, kv_blocks: int | None = No
             "additional_config": {"ainfer_pd": {"p_lane_min_tokens": p_lane_min_tokens}}}
     if kv_blocks is not None:
         args["num_gpu_blocks_override"] = kv_blocks
+    if max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = max_num_batched_tokens
     with _inprocess_env():
         return LLM(model=model, **args)
 
@@ -228,6 +231,7 @@ def run_storm(
     p_abort_drained: float = 0.05,
     p_abort_d: float = 0.05,
     kv_blocks: int | None = None,
+    max_num_batched_tokens: int | None = None,
     final_prompt_tokens: int = 900,
     final_max_tokens: int = 16,
     progress_every: int = 50,
@@ -274,7 +278,7 @@ def run_storm(
     final_out: list[int] | None = None
     where = {"phase": "build", "step": 0}  # for the message of an engine error
 
-    llm = _build_engine(model, LANE_MIN_TOKENS, kv_blocks)
+    llm = _build_engine(model, LANE_MIN_TOKENS, kv_blocks, max_num_batched_tokens)
     engine = llm.llm_engine
     try:
         scheduler, lane = _scheduler_of(llm)
@@ -604,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help="KV pool size in blocks (default: vLLM's, from 1 GiB); a small pool "
                              "adds preemptions and lane waits to the storm")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="step token budget (default: the CPU harness's); below the longest "
+                             "prompt, the lane prefills prompts in parts over several epochs")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     model = args.model
@@ -611,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_ainfer_pd.models import ensure_model
 
         model = str(ensure_model("tiny", seed=0))
-    report = run_storm(model, args.aborts, seed=args.seed, kv_blocks=args.kv_blocks)
+    report = run_storm(model, args.aborts, seed=args.seed, kv_blocks=args.kv_blocks,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
     print(report.summary(), flush=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

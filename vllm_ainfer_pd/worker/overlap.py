@@ -20,7 +20,11 @@ import torch
 
 
 class OverlapMeter:
-    def __init__(self) -> None:
+    """`new_event`: makes a timing event that `record()`s on the current stream (CUDA's by
+    default; the unit test passes a scripted clock)."""
+
+    def __init__(self, new_event: Any = None) -> None:
+        self._new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
         self._base: Any = None
         self._open: dict[str, Any] = {}  # "p" / "d" -> start event of the window being recorded
         self._pending: dict[str, collections.deque] = {"p": collections.deque(),
@@ -32,7 +36,7 @@ class OverlapMeter:
         """Open a window of `side` ("p" or "d") on the calling thread's current stream."""
         if side in self._open:
             return
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._new_event()
         event.record()
         if self._base is None:
             self._base = event
@@ -42,7 +46,7 @@ class OverlapMeter:
         start = self._open.pop(side, None)
         if start is None:
             return
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._new_event()
         event.record()
         self._pending[side].append((start, event))
 
