@@ -27,3 +27,15 @@ def test_abort_storm_in_p(tiny_model):
     assert report.free_blocks_after == report.free_blocks_before, report.summary()
     assert report.final_request in ("exact", "tie"), report.summary()
     assert report.lane["jobs_done"] > 0 and report.lane["jobs_cancelled"] > 0, report.lane
+
+
+def test_abort_storm_with_prompts_prefilled_in_parts(tiny_model):
+    """A 128-token step budget: the lane prefills most prompts in parts over several epochs, so
+    aborts land between parts too (a part's blocks stay held until it drained)."""
+    report = run_storm(tiny_model, aborts=100, seed=1, max_num_batched_tokens=128)
+    print(report.summary())
+    assert report.ok, report.summary()
+    assert report.aborts_in_p >= 100 and report.parity_fail == 0, report.summary()
+    assert report.free_blocks_after == report.free_blocks_before, report.summary()
+    # More epochs than jobs: prompts were split (each epoch holds at most 128 P tokens).
+    assert report.lane["epochs"] >= report.lane["p_tokens"] / 128 > report.lane["jobs_done"]
