@@ -1,4 +1,4 @@
-"""Inputs and attention metadata of one P epoch: a batched eager prefill of P jobs into their
+"""Inputs and attention metadata of one P epoch: a batched prefill of P jobs into their
 reserved KV blocks (docs/worker.md).
 
 Built from the jobs alone, never from the model runner's persistent buffers or `InputBatch`

@@ -6,10 +6,11 @@ Per rank, once per D iteration, on the worker's main thread:
     ...vLLM's D step...       # the connector hands new P jobs and cancels to `lane.accept`
     lane.after_d(load)        # post-D rendezvous; release the next K boundaries; P runs them
 
-A P epoch is one eager forward over the jobs queued when it opens: a batched prefill of their
-uncached prompt tokens into their reserved KV blocks. The P thread runs the decoder's own layers
-and publishes boundary 0 before the embedding and boundary i + 1 before layer i, so D's compiled
-or graph-captured forward is untouched. One thread runs model code at a time: the main thread
+A P epoch is one forward of the model (vLLM's compiled graph, without CUDA graphs) over the jobs
+queued when it opens, up to the step token budget: a batched prefill of their uncached prompt
+tokens into their reserved KV blocks. The P thread publishes boundary 0 at the forward's entry and
+boundary i + 1 at layer i's attention call (hooks on the attention impls, outside vLLM's compiled
+pieces); its collectives go on D's stream. One thread runs model code at a time: the main thread
 waits while a released segment's host work runs (the cooperative hand-off of vLLM's dual-batch
 overlap), and each side installs its own forward context. With no epoch open the lane costs one
 branch per step: no rendezvous, no thread hand-off.
