@@ -75,6 +75,24 @@ def test_offline_tp1_global_complete_with_load_selected_span_matches_stock(stock
     assert lane_stats["epochs"] >= -(-lane_stats["p_tokens"] // 48)
 
 
+def test_offline_tp1_fine_with_load_selected_span_matches_stock(stock_tp1, tiny_model):
+    """Fine ordering with K chosen per round: P pressure counts the open epoch's work still ahead
+    of its permit, so with a 48-token budget and a light D the policy releases several layers per
+    D iteration (fewer segments than the 5 per epoch of K=1), with the same tokens."""
+    stock, stock_out = stock_tp1
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "load"}}
+    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=lane,
+                     max_num_batched_tokens=48) as ours:
+        ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+        status = ours.worker_status()
+    report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    lane_stats = status[0]["p_lane"]
+    print(report, lane_stats)
+    assert report.fail == 0, report
+    assert_lane_overlapped_d(status)
+    assert lane_stats["epochs"] < lane_stats["segments"] < 5 * lane_stats["epochs"], lane_stats
+
+
 def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other_seed):
     """The harness can fail: the same backend on differently seeded weights must not pass. (This
     engine is also the one that proves the fully qualified executor path works without the

@@ -261,6 +261,17 @@ class PLane:
         self.stats.inflight = self._inflight()
         return out
 
+    def p_work_tokens(self) -> float:
+        """P work not yet issued, in prompt tokens: the queued jobs plus the part of the open
+        epoch's forward still ahead of its permit (the segment policy's P pressure)."""
+        queued = sum(j.end - j.start for j in self.pending)
+        epoch = self.epoch
+        if epoch is None:
+            return queued
+        layers = self.num_boundaries - 1
+        ahead = (layers - max(epoch.reached, 0)) / layers
+        return queued + ahead * sum(j.end - j.start for j in epoch.chunks)
+
     def _inflight(self) -> int:
         running = len(self.epoch.jobs) if self.epoch else 0
         return len(self.pending) + running + sum(len(e.jobs) for e in self.finishing)
