@@ -52,23 +52,29 @@ def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
     assert report.exact + report.tie == len(PROMPTS)
 
 
+def tp1_lane_matches_stock(stock_tp1, model: str, lane: dict) -> list[dict]:
+    """Our TP=1 engine with these lane options and a 48-token step budget: the waves' tokens
+    equal stock's (by the tie rule) and the lane ran; returns every rank's status."""
+    stock, stock_out = stock_tp1
+    with offline_llm(model, 1, backend="ainfer_pd", additional_config={"ainfer_pd": lane},
+                     max_num_batched_tokens=48) as ours:
+        ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+        status = ours.worker_status()
+    report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    print(report, status[0]["p_lane"])
+    assert report.fail == 0, report
+    assert_lane_overlapped_d(status)
+    return status
+
+
 def test_offline_tp1_global_complete_with_load_selected_span_matches_stock(stock_tp1, tiny_model):
     """The other end of the ordering ladder: the whole epoch after one D iteration, D fenced on
     P's completion; same admission and state, same tokens. With a 48-token step budget, an epoch
     (one forward of the graph vLLM compiled for at most that many tokens) takes at most 48 P
     tokens, so the longer prompts are prefilled in parts over several epochs."""
-    stock, stock_out = stock_tp1
-    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "ordering": "global-complete",
-                          "segment_policy": "load"}}
-    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=lane,
-                     max_num_batched_tokens=48) as ours:
-        ours_out = run_waves(ours, WAVES, MAX_TOKENS)
-        status = ours.worker_status()
-    report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    status = tp1_lane_matches_stock(stock_tp1, tiny_model, {
+        "p_lane_min_tokens": 32, "ordering": "global-complete", "segment_policy": "load"})
     lane_stats = status[0]["p_lane"]
-    print(report, lane_stats)
-    assert report.fail == 0, report
-    assert_lane_overlapped_d(status)
     assert lane_stats["segments"] == lane_stats["epochs"], status
     # Parts: more epochs than 48-token epochs could hold whole jobs (P tokens / 48, rounded up).
     assert lane_stats["epochs"] > lane_stats["jobs_done"]
@@ -79,17 +85,9 @@ def test_offline_tp1_fine_with_load_selected_span_matches_stock(stock_tp1, tiny_
     """Fine ordering with K chosen per round: P pressure counts the open epoch's work still ahead
     of its permit, so with a 48-token budget and a light D the policy releases several layers per
     D iteration (fewer segments than the 5 per epoch of K=1), with the same tokens."""
-    stock, stock_out = stock_tp1
-    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "load"}}
-    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=lane,
-                     max_num_batched_tokens=48) as ours:
-        ours_out = run_waves(ours, WAVES, MAX_TOKENS)
-        status = ours.worker_status()
-    report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    status = tp1_lane_matches_stock(stock_tp1, tiny_model,
+                                    {"p_lane_min_tokens": 32, "segment_policy": "load"})
     lane_stats = status[0]["p_lane"]
-    print(report, lane_stats)
-    assert report.fail == 0, report
-    assert_lane_overlapped_d(status)
     assert lane_stats["epochs"] < lane_stats["segments"] < 5 * lane_stats["epochs"], lane_stats
 
 

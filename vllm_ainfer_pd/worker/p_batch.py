@@ -66,7 +66,6 @@ class PBatchBuilder:
 
     def build(self, jobs: list[PJob]) -> PBatch:
         ids = np.concatenate([np.asarray(j.token_ids, dtype=np.int64) for j in jobs])
-        positions_dtype = torch.empty(0, dtype=self.positions_dtype).numpy().dtype
         positions = np.concatenate([np.arange(j.start, j.end, dtype=np.int64) for j in jobs])
         query_lens = np.array([j.end - j.start for j in jobs], dtype=np.int32)
         seq_lens = np.array([j.end for j in jobs], dtype=np.int32)
@@ -92,7 +91,7 @@ class PBatchBuilder:
             max_seq_len=int(seq_lens.max()),
             causal=True,
             is_prefilling=torch.ones(len(jobs), dtype=torch.bool, device=dev),
-            positions=to_dev(positions.astype(positions_dtype)),
+            positions=to_dev(positions).to(self.positions_dtype),
         )
         attn_metadata: dict[str, Any] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
