@@ -87,7 +87,8 @@ def summary(result: dict) -> str:
         head += (f"\n  rank {rank.get('rank')}: jobs_done={lane.get('jobs_done')} "
                  f"failed={lane.get('jobs_failed')} epochs={lane.get('epochs')} "
                  f"segments={lane.get('segments')} after_d={lane.get('segments_after_d')} "
-                 f"p_tokens={lane.get('p_tokens')} inflight={lane.get('inflight')}")
+                 f"p_tokens={lane.get('p_tokens')} inflight={lane.get('inflight')} "
+                 f"p_workspace_bytes={rank.get('p_workspace_bytes')}")
     for name, value in sorted((result.get("ours_lane_metrics") or {}).items()):
         head += f"\n  {name} {value}"
     return head
@@ -141,6 +142,12 @@ def offline_parity(args, result: dict) -> None:
         ours_out = run_waves(ours, waves, args.max_tokens)
         result["ours_waves_s"] = time.time() - t0
         result["ours_workers_after"] = ours.worker_status()  # the lane's counters per rank
+        for rank in result["ours_workers_after"]:
+            lane = rank.get("p_lane") or {}
+            if lane.get("jobs_done") and rank.get("p_workspace_bytes") == 0:
+                raise RuntimeError(  # P's MoE would have shared D's scratch buffers
+                    f"rank {rank.get('rank')}: P ran {lane['jobs_done']} jobs, but its own "
+                    f"workspace manager holds 0 bytes")
     finally:
         ours_llm.llm_engine.engine_core.shutdown()
     report = compare(prompts, stock_out, ours_out, stock.teacher_force)

@@ -3,7 +3,6 @@
 #   bash benchmarks/gpu_run.sh JOB...        carry .gpu/env (and .gpu/tiny, .gpu/tinygpu as needed)
 # Jobs (each writes $OUT/<job>.json and logs; all logs end up in $OUT/logs.tar.gz):
 #   tp1        TP=1 bf16 and float32, P lane on (one per GPU in parallel where there are 2)
-#   tp1diag    the same with the P thread on its own vLLM workspace (benchmarks/gpu_lane_diag.py)
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
@@ -23,7 +22,7 @@ export VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
 d=/tmp/ainfer-ep/vllm_ainfer_pd-0.1.0.dist-info
 mkdir -p $d
 printf 'Metadata-Version: 2.1\nName: vllm-ainfer-pd\nVersion: 0.1.0\n' > $d/METADATA
-printf '[vllm.general_plugins]\nainfer_pd = vllm_ainfer_pd.plugin:register\nainfer_pd_gpu_diag = benchmarks.gpu_lane_diag:register\n' > $d/entry_points.txt
+printf '[vllm.general_plugins]\nainfer_pd = vllm_ainfer_pd.plugin:register\n' > $d/entry_points.txt
 export PYTHONPATH=$PWD:/tmp/ainfer-ep:$PYTHONPATH
 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT /tmp/gpu-logs
@@ -76,7 +75,6 @@ for job in "$@"; do
   case $job in
     tp1) tp1 ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
-    tp1diag) AINFER_PD_DIAG_P_WORKSPACE=1 tp1 _pws ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
     dp2) parity dp2_ep_${DT:-bfloat16}${DP2_SUFFIX:-} 0,1 --model ${DP2_MODEL:-.gpu/tiny} --dp 2 \

@@ -42,6 +42,8 @@ class AInferPDWorker(_platform_worker_cls()):
             "rank": self.rank if lane is None else lane.rank,
             "mode": AInferPDConfig.from_vllm_config(self.vllm_config).mode,
             "p_lane": lane.stats.as_dict() if lane is not None else None,
+            # GPU: the scratch P's MoE took from its own workspace manager (0 if P never used it).
+            "p_workspace_bytes": lane.workspace_bytes() if lane is not None else None,
         }
 
     def init_device(self) -> None:

@@ -12,7 +12,8 @@ tokens into their reserved KV blocks. The P thread publishes boundary 0 at the f
 boundary i + 1 at layer i's attention call (hooks on the attention impls, outside vLLM's compiled
 pieces); its collectives go on D's stream. One thread runs model code at a time: the main thread
 waits while a released segment's host work runs (the cooperative hand-off of vLLM's dual-batch
-overlap), and each side installs its own forward context. With no epoch open the lane costs one
+overlap), and each side installs its own phase-owned state at the hand-off: vLLM's forward
+context and its workspace manager (`_Epoch.d_state`). With no epoch open the lane costs one
 branch per step: no rendezvous, no thread hand-off.
 """
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm.forward_context as forward_context
+import vllm.v1.worker.workspace as workspace
 from vllm.config import CUDAGraphMode
 
 from vllm_ainfer_pd.config import AInferPDConfig
@@ -134,7 +136,9 @@ class _Epoch:
     thread: threading.Thread | None = None
     event: Any = None  # GPU: recorded on P's stream after the last segment
     error: BaseException | None = None
-    outer_context: Any = None
+    # D's forward context and workspace manager while P runs; P's own are installed (the swap
+    # in `PLane._boundary`).
+    d_state: tuple[Any, Any] = (None, None)
     timings: dict[str, float] = field(default_factory=dict)
     # DP > 1: P tokens of each DP rank in this epoch (0: a matched no-work epoch), else None.
     dp_counts: list[int] | None = None
@@ -163,6 +167,12 @@ class PLane:
         _install_collective_route()
         self.overlap = OverlapMeter() if config.overlap_timing and self.is_cuda else None
         self.builder = PBatchBuilder(runner)
+        # vLLM's fused-MoE kernels take their scratch and output buffers from one process-wide
+        # workspace manager, whose bytes D's CUDA graphs captured: P's MoE, running on its own
+        # stream at the same time, needs its own (allocated on P's first use). None where vLLM
+        # has no workspace manager (CPU).
+        self.p_workspace = (workspace.WorkspaceManager(runner.device)
+                            if workspace.is_workspace_manager_initialized() else None)
         self.controller = SegmentController(rank=rank, span=config.segment_span,
                                             timeout_s=config.timeout_s)
         self.turnstile = Turnstile(
@@ -271,6 +281,13 @@ class PLane:
         layers = self.num_boundaries - 1
         ahead = (layers - max(epoch.reached, 0)) / layers
         return queued + ahead * sum(j.end - j.start for j in epoch.chunks)
+
+    def workspace_bytes(self) -> int | None:
+        """Bytes held by P's own workspace manager (None without one, on CPU)."""
+        if self.p_workspace is None:
+            return None
+        return sum(t.numel() * t.element_size()
+                   for t in self.p_workspace._current_workspaces if t is not None)
 
     def _inflight(self) -> int:
         running = len(self.epoch.jobs) if self.epoch else 0
@@ -426,12 +443,11 @@ class PLane:
     # ---- the P thread --------------------------------------------------------------------------
 
     def _boundary(self, epoch: _Epoch, boundary: int) -> None:
-        """Publish `boundary`; if it is the permit, hand the forward context back and park."""
+        """Publish `boundary`; if it is the permit, hand D's state back and park."""
         epoch.reached = boundary
         if self.overlap is not None:
             self.overlap.end("p")
-        mine = forward_context._forward_context
-        forward_context._forward_context = epoch.outer_context
+        mine = self._swap_state(epoch.d_state)
         now = time.perf_counter()
         self.stats.p_enqueue_s += now - epoch.timings.get("resumed", now)
         try:
@@ -440,17 +456,28 @@ class PLane:
             resumed = time.perf_counter()
             self.stats.p_permit_wait_s += resumed - now
             epoch.timings["resumed"] = resumed
-            epoch.outer_context = forward_context._forward_context
-            forward_context._forward_context = mine
+            epoch.d_state = self._swap_state(mine)
             if self.overlap is not None:
                 self.overlap.start("p")
+
+    @staticmethod
+    def _swap_state(state: tuple[Any, Any]) -> tuple[Any, Any]:
+        """Install (forward context, workspace manager) as vLLM's process-wide ones; return the
+        pair they replace. Called only by the thread that runs model code (the hand-off)."""
+        replaced = (forward_context._forward_context, workspace._manager)
+        forward_context._forward_context, workspace._manager = state
+        return replaced
 
     def _run_epoch(self, epoch: _Epoch) -> None:
         torch.set_num_threads(self._threads)
         _P_THREAD.epoch = epoch
+        # The main thread waits for this thread's first stop: install P's workspace now (its
+        # forward context is set in `_forward`), and D's state again before reporting the end.
+        epoch.d_state = self._swap_state((forward_context._forward_context,
+                                          self.p_workspace or workspace._manager))
+        error: BaseException | None = None
         try:
             self.controller.attach(epoch.id, name=threading.current_thread().name)
-            epoch.outer_context = forward_context._forward_context
             epoch.timings["resumed"] = time.perf_counter()
             with torch.inference_mode(), self._stream():
                 self._boundary(epoch, 0)
@@ -462,12 +489,19 @@ class PLane:
                     epoch.event = torch.cuda.Event()
                     epoch.event.record(self.p_stream)
             self.stats.p_enqueue_s += time.perf_counter() - epoch.timings["resumed"]
-            self.controller.finish(epoch.id)
         except BaseException as exc:  # reported to the main thread, which fails the jobs
-            epoch.error = exc
-            self.controller.fail(epoch.id, exc)
+            error = exc
         finally:
+            self._swap_state(epoch.d_state)
             _P_THREAD.epoch = None
+        if error is None:
+            try:
+                self.controller.finish(epoch.id)
+                return
+            except BaseException as exc:
+                error = exc
+        epoch.error = error
+        self.controller.fail(epoch.id, error)
 
     def _stream(self) -> Any:
         if self.p_stream is None:
