@@ -3,6 +3,10 @@ with it off (`mode=normal`), and stock vLLM for context, on a workload with no p
 (8-token prompts, long greedy decodes). All engines stay up; repetitions alternate between them.
 
     python benchmarks/decode_overhead.py --reps 5 --out benchmarks/results/cpu/decode_overhead.json
+    python benchmarks/decode_overhead.py --gpu --model .gpu/tiny --requests 64 --max-tokens 256 ...
+
+`--gpu`: bf16 with vLLM's defaults (torch.compile, CUDA graphs), the three engines side by side on
+one GPU (a quarter of its memory each), async scheduling where vLLM turns it on.
 
 Reports each engine's median wall time per repetition with [min, max] and the ratio to `normal`.
 """
@@ -10,6 +14,7 @@ Reports each engine's median wall time per repetition with [min, max] and the ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -23,6 +28,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--gpu", action="store_true", help="GPU engine settings (see above)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -42,7 +48,8 @@ def main() -> None:
         runners = {}
         for name, kw in engines.items():
             print(f"[decode-overhead] starting {name}", file=sys.stderr, flush=True)
-            runners[name] = stack.enter_context(offline_llm(model, 1, **kw))
+            runners[name] = stack.enter_context(
+                gpu_llm(model, **kw) if args.gpu else offline_llm(model, 1, **kw))
             runners[name].generate(prompts[:2], 4)  # warm-up
         for rep in range(args.reps):
             order = list(engines) if rep % 2 == 0 else list(reversed(engines))
@@ -56,6 +63,7 @@ def main() -> None:
         lane = runners["pd"].worker_status()[0]["p_lane"]
     base = statistics.median(times["normal"])
     result = {
+        "platform": "gpu" if args.gpu else "cpu",
         "workload": {"requests": args.requests, "prompt_tokens": 8,
                      "max_tokens": args.max_tokens, "reps": args.reps},
         "seconds": {n: {"median": statistics.median(t), "min": min(t), "max": max(t), "all": t}
@@ -68,6 +76,22 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+@contextlib.contextmanager
+def gpu_llm(model: str, backend: str | None = None, **engine_args):
+    from vllm import LLM
+
+    from vllm_ainfer_pd.testing.parity import LLMRunner
+
+    if backend is not None:
+        engine_args["distributed_executor_backend"] = backend
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+              gpu_memory_utilization=0.25, seed=0, **engine_args)
+    try:
+        yield LLMRunner(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
 #   bench1     TP=1 rollout: stock + normal (GPU 0) beside pd + pd_k1 (GPU 1), merged report;
 #              one GPU: stock, normal, pd one after another
 #   ladder1    TP=1 rollout, global-enqueue (GPU 0) beside global-complete (GPU 1)
+#   bench1a bench1b bench1c   one GPU, one call each (a call runs at most 10 min): stock+normal,
+#              pd+pd_genq, pd_gcomp+pd_k1; merged afterwards with `rollout merge`
+#   decode1    decode-only overhead, tiny model: pd (no P) vs normal vs stock side by side
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
@@ -105,6 +108,13 @@ for job in "$@"; do
       compare ladder1_gpu0 0 --variant "$V_GENQ" --only pd_genq &
       compare ladder1_gpu1 1 --variant "$V_GCOMP" --only pd_gcomp &
       wait ;;
+    bench1a) compare bench1a 0 --variant "$V_NORMAL" --only stock,normal ;;
+    bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_GENQ" --only pd,pd_genq ;;
+    bench1c) compare bench1c 0 --variant "$V_GCOMP" --variant "$V_PD_K1" --only pd_gcomp,pd_k1 ;;
+    decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
+               --model .gpu/tiny --requests 64 --max-tokens 256 --reps 7 \
+               --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
+             echo "== decode1: rc=$?" ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;
     *) echo "unknown job $job" ;;

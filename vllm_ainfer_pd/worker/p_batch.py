@@ -72,9 +72,13 @@ class PBatchBuilder:
         query_start = np.zeros(len(jobs) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start[1:])
         dev = self.device
+        pin = dev.type == "cuda"
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+            # From pinned memory: a copy from pageable memory first waits for P's stream to
+            # drain, and P's stream waits for D's work, so the host would wait for the GPU.
+            t = torch.from_numpy(a)
+            return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
 
         query_start_cpu = torch.from_numpy(query_start)
         seq_lens_cpu = torch.from_numpy(seq_lens)
