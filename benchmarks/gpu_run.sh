@@ -12,7 +12,7 @@
 #              one GPU: stock, normal, pd one after another
 #   ladder1    TP=1 rollout, global-enqueue (GPU 0) beside global-complete (GPU 1)
 #   bench1a bench1b bench1c   one GPU, one call each (a call runs at most 10 min): stock+normal,
-#              pd+pd_genq, pd_gcomp+pd_k1; merged afterwards with `rollout merge`
+#              pd+pd_handoff, pd_genq+pd_gcomp (the ladder); merged afterwards with `rollout merge`
 #   decode1    decode-only overhead, tiny model: pd (no P) vs normal vs stock side by side
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
@@ -59,6 +59,7 @@ ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wai
 V_NORMAL='normal={"ainfer_pd": {"mode": "normal"}}'
 V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
 V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
+V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
 V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
 TP2_COMPILE='--serve-arg=--compilation-config={"pass_config":{"fuse_allreduce_rms":false}}'
@@ -109,8 +110,8 @@ for job in "$@"; do
       compare ladder1_gpu1 1 --variant "$V_GCOMP" --only pd_gcomp &
       wait ;;
     bench1a) compare bench1a 0 --variant "$V_NORMAL" --only stock,normal ;;
-    bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_GENQ" --only pd,pd_genq ;;
-    bench1c) compare bench1c 0 --variant "$V_GCOMP" --variant "$V_PD_K1" --only pd_gcomp,pd_k1 ;;
+    bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_PD_HANDOFF" --only pd,pd_handoff ;;
+    bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only pd_genq,pd_gcomp ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 64 --max-tokens 256 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1

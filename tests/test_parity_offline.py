@@ -84,9 +84,10 @@ def test_offline_tp1_global_complete_with_load_selected_span_matches_stock(stock
 def test_offline_tp1_fine_with_load_selected_span_matches_stock(stock_tp1, tiny_model):
     """Fine ordering with K chosen per round: P pressure counts the open epoch's work still ahead
     of its permit, so with a 48-token budget and a light D the policy releases several layers per
-    D iteration (fewer segments than the 5 per epoch of K=1), with the same tokens."""
-    status = tp1_lane_matches_stock(stock_tp1, tiny_model,
-                                    {"p_lane_min_tokens": 32, "segment_policy": "load"})
+    D iteration (fewer segments than the 5 per epoch of K=1), with the same tokens. P's host work
+    runs beside D's step (`p_host="concurrent"`, the GPU default), on its own forward context."""
+    status = tp1_lane_matches_stock(stock_tp1, tiny_model, {
+        "p_lane_min_tokens": 32, "segment_policy": "load", "p_host": "concurrent"})
     lane_stats = status[0]["p_lane"]
     assert lane_stats["epochs"] < lane_stats["segments"] < 5 * lane_stats["epochs"], lane_stats
 
@@ -106,9 +107,12 @@ def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other
 
 
 def test_offline_tp2_matches_stock_tp2(tiny_model):
+    """TP=2 with P's host work beside D's step (`p_host="concurrent"`): P's all-reduces use D's
+    communicators from the P thread, between D's rounds."""
+    lane = {"ainfer_pd": {**LANE_ON["ainfer_pd"], "p_host": "concurrent"}}
     with offline_llm(tiny_model, 2) as stock:
         stock_out = run_waves(stock, WAVES, MAX_TOKENS)
-        with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=LANE_ON) as ours:
+        with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=lane) as ours:
             ours_out = run_waves(ours, WAVES, MAX_TOKENS)
             status = ours.worker_status()
         assert [s["worker"] for s in status] == ["AInferPDWorker"] * 2

@@ -96,8 +96,11 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
 
 def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     stock_runner, stock_out, _ = stock
-    srv = server(tiny_model, OURS + ["--data-parallel-size", "2", "--enable-expert-parallel"], 2,
-                 "ours-dp2-ep")
+    # P's host work beside D's step (`p_host="concurrent"`, the GPU default) across DP ranks.
+    concurrent = ["--additional-config",
+                  json.dumps({"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}})]
+    srv = server(tiny_model, OURS[:2] + concurrent + ["--data-parallel-size", "2",
+                                                      "--enable-expert-parallel"], 2, "ours-dp2-ep")
     ours = ServerRunner(srv.url, tiny_model)
     ours_out = run_waves(ours, WAVES, MAX_TOKENS)
     report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)

@@ -14,6 +14,7 @@ MODES = ("pd", "normal")
 ORDERINGS = ("fine", "global-enqueue", "global-complete")
 SEGMENT_POLICIES = ("fixed", "load")
 RENDEZVOUS = ("shm", "gloo")
+P_HOSTS = ("auto", "concurrent", "handoff")
 
 
 class ConfigError(Exception):
@@ -46,6 +47,11 @@ class AInferPDConfig:
     # GPU benchmarks: time P's segments and D's iterations with CUDA events and export how much of
     # P's device time D overlapped (`vllm_ainfer_pd_p_overlap_seconds`). Off: no events at all.
     overlap_timing: bool = False
+    # Where P's host work for a released segment runs (docs/worker.md): `concurrent` beside D's
+    # step (D waits for P's stop at the next round), `handoff` while D's thread waits; `auto` is
+    # concurrent on GPU, where that work is kernel launches, and the hand-off on CPU, where it is
+    # P's compute.
+    p_host: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +67,7 @@ class AInferPDConfig:
             ("ordering", ORDERINGS),
             ("segment_policy", SEGMENT_POLICIES),
             ("rendezvous", RENDEZVOUS),
+            ("p_host", P_HOSTS),
         ):
             value = getattr(self, name)
             if value not in choices:

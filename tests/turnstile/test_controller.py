@@ -245,6 +245,37 @@ def test_producer_failure_surfaces_in_the_consumer(producer):
         ctrl.advance()
 
 
+def test_close_after_a_failure_makes_later_rounds_no_work_calls(producer):
+    ctrl = SegmentController()
+    ctrl.open_epoch(0, d_enqueued=True, span=4)
+    producer(ctrl, lambda c: (c.reach(0, 0), c.fail(0, ValueError("boom")))).join(5)
+    with pytest.raises(ProducerFailed):
+        ctrl.wait_parked(timeout_s=5)
+    ctrl.close()  # the consumer handled the failure: it is not raised again
+    assert ctrl.wait_parked(timeout_s=1).state is TaskState.IDLE
+    assert ctrl.advance().state is TaskState.IDLE
+    ctrl.open_epoch(1, d_enqueued=True, span=1)
+    assert ctrl.status().epoch == 1
+
+
+def test_a_producer_cut_off_by_close_gets_a_stale_epoch_error(producer):
+    ctrl = SegmentController()
+    ctrl.open_epoch(0, d_enqueued=True, span=2)
+    gate = threading.Event()
+
+    def body(c):
+        c.reach(0, 0)
+        gate.wait(5)  # the consumer gives up on this producer meanwhile
+        c.reach(0, 1)
+
+    thread = producer(ctrl, body)
+    wait_until(lambda: ctrl.status().reached == 0)
+    ctrl.close()
+    gate.set()
+    thread.join(5)
+    assert isinstance(thread.error, StaleEpochError), thread.error
+
+
 # --- rejections: boundaries and permits -------------------------------------------------------
 
 

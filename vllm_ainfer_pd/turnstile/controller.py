@@ -13,7 +13,7 @@ Initially `p = 0`, so ready D goes before P enters the device; if this round's D
 completion with `finish`.
 
 Threads: exactly one producer thread (the P thread) calls `attach`/`reach`/`finish`/`fail`; the
-consumer (the D, i.e. main, thread) calls `open_epoch`/`wait_parked`/`advance`/`cancel`. One
+consumer (the D, i.e. main, thread) calls `open_epoch`/`wait_parked`/`advance`/`cancel`/`close`. One
 condition variable guards all state; both sides wait only on the host, each wait with a timeout.
 """
 
@@ -207,6 +207,20 @@ class SegmentController:
                 self._cancel_reason = reason
                 self._cond.notify_all()
 
+    def close(self) -> None:
+        """End the epoch on the consumer side, once its end was seen (DONE, FAILED, CANCELLED, or
+        a producer given up on): IDLE again, so later rounds are the matched no-work calls and no
+        failure is raised twice. A producer still running is cut off: its next call raises
+        `StaleEpochError`."""
+        with self._cond:
+            self._epoch = None
+            self._reached = -1
+            self._permit = 0
+            self._state = TaskState.IDLE
+            self._producer = None
+            self._failure = None
+            self._cond.notify_all()
+
     # --- producer (P thread) ------------------------------------------------------------------
 
     def attach(self, epoch: int, name: str | None = None) -> None:
@@ -256,6 +270,9 @@ class SegmentController:
                 raise EpochCancelled("epoch cancelled while parked", rank=self.rank,
                                      epoch=epoch, boundary=boundary,
                                      detail=self._cancel_reason)
+            if self._epoch != epoch:
+                raise StaleEpochError("epoch closed while parked", rank=self.rank, epoch=epoch,
+                                      boundary=boundary, detail="the consumer gave up on it")
 
     def finish(self, epoch: int) -> None:
         """Report that the final segment (after the last boundary) completed its host enqueue."""

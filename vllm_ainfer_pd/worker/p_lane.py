@@ -10,11 +10,16 @@ A P epoch is one forward of the model (vLLM's compiled graph, without CUDA graph
 queued when it opens, up to the step token budget: a batched prefill of their uncached prompt
 tokens into their reserved KV blocks. The P thread publishes boundary 0 at the forward's entry and
 boundary i + 1 at layer i's attention call (hooks on the attention impls, outside vLLM's compiled
-pieces); its collectives go on D's stream. One thread runs model code at a time: the main thread
-waits while a released segment's host work runs (the cooperative hand-off of vLLM's dual-batch
-overlap), and each side installs its own phase-owned state at the hand-off: vLLM's forward
-context and its workspace manager (`_Epoch.d_state`). With no epoch open the lane costs one
-branch per step: no rendezvous, no thread hand-off.
+pieces); its collectives go on D's stream. The P thread has its own vLLM forward context and
+workspace manager (`phase_state`). Where D waits for P to stop is `p_host` (config):
+- `concurrent` (GPU): a released segment's host work (its kernel launches) runs while the main
+  thread goes on with D's step (sampling, the engine's scheduling); D waits for P's stop only in
+  the next round's `before_d`, ahead of the pre-D rendezvous;
+- `handoff` (CPU, where P's host work is its compute): the main thread waits in `after_d` until P
+  stops (the cooperative hand-off of vLLM's dual-batch overlap).
+Either way no model code of D runs between a release and P's stop, so P's collectives on D's
+communicators never interleave with D's. With no epoch open the lane costs one branch per step: no
+rendezvous, no thread hand-off.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -45,6 +51,7 @@ from vllm_ainfer_pd.turnstile import (
     make_policy,
 )
 from vllm_ainfer_pd.turnstile.route import StreamRoute
+from vllm_ainfer_pd.worker import phase_state
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
 from vllm_ainfer_pd.worker.p_batch import PBatchBuilder
 
@@ -58,6 +65,10 @@ logger = logging.getLogger(__name__)
 STALL_ENV = "VLLM_AINFER_PD_TEST_STALL"
 # Set on a P thread while it runs an epoch: `.epoch` (boundary hooks), `.depth` (nested collectives).
 _P_THREAD = threading.local()
+# While a P epoch is open with `p_host="concurrent"`, the interpreter switches threads at least
+# this often (seconds; Python's default is 5 ms): the main thread, woken by D's GPU work, should
+# not wait a whole default interval for the P thread to yield the GIL.
+P_SWITCH_INTERVAL_S = 0.0005
 # vLLM's collective entry points (GroupCoordinator methods) that P's forward can reach.
 _COLLECTIVES = ("_all_reduce_out_place", "all_gather", "all_gatherv", "reduce_scatter",
                 "reduce_scatterv", "dispatch_router_logits", "dispatch", "combine")
@@ -136,9 +147,6 @@ class _Epoch:
     thread: threading.Thread | None = None
     event: Any = None  # GPU: recorded on P's stream after the last segment
     error: BaseException | None = None
-    # D's forward context and workspace manager while P runs; P's own are installed (the swap
-    # in `PLane._boundary`).
-    d_state: tuple[Any, Any] = (None, None)
     timings: dict[str, float] = field(default_factory=dict)
     # DP > 1: P tokens of each DP rank in this epoch (0: a matched no-work epoch), else None.
     dp_counts: list[int] | None = None
@@ -161,16 +169,17 @@ class PLane:
         self.model = runner.get_model()
         self.num_boundaries = self._install_boundaries()
         self.is_cuda = runner.device.type == "cuda"
+        self.handoff = config.p_host == "handoff" or (config.p_host == "auto" and not self.is_cuda)
+        phase_state.install()
+        self._switch_interval = sys.getswitchinterval()
         self.p_stream = torch.cuda.Stream(device=runner.device) if self.is_cuda else None
         # P reuses vLLM's communicators, so every P collective goes on D's stream (route.py).
         self.route = StreamRoute()
         _install_collective_route()
         self.overlap = OverlapMeter() if config.overlap_timing and self.is_cuda else None
         self.builder = PBatchBuilder(runner)
-        # vLLM's fused-MoE kernels take their scratch and output buffers from one process-wide
-        # workspace manager, whose bytes D's CUDA graphs captured: P's MoE, running on its own
-        # stream at the same time, needs its own (allocated on P's first use). None where vLLM
-        # has no workspace manager (CPU).
+        # P's workspace manager (phase_state), allocated on P's first MoE; None where vLLM has
+        # no workspace manager (CPU).
         self.p_workspace = (workspace.WorkspaceManager(runner.device)
                             if workspace.is_workspace_manager_initialized() else None)
         self.controller = SegmentController(rank=rank, span=config.segment_span,
@@ -300,6 +309,8 @@ class PLane:
         return self.epoch is not None
 
     def before_d(self) -> None:
+        if self.epoch is not None and not self.handoff:
+            self._wait_for_p()  # P's segment ran beside D's step; D waits for its stop here
         if self.overlap is not None and (self.epoch is not None or self.finishing):
             self.overlap.start("d")
         if self.epoch is None and not self.synced:
@@ -315,8 +326,8 @@ class PLane:
             self.stats.rounds += 1
 
     def after_d(self, load: Load | None = None, d_tokens: int = 0) -> None:
-        """Release P's next segment after this round's D, or open an epoch for queued jobs, then
-        wait until P stops again (its host work for the segment is done)."""
+        """Release P's next segment after this round's D, or open an epoch for queued jobs; with
+        the hand-off, wait until P stops again (its host work for the segment is done)."""
         if self.overlap is not None:
             self.overlap.end("d")
             p_s, overlap_s = self.overlap.collect()
@@ -337,7 +348,11 @@ class PLane:
             self._open_epoch(load)
         else:
             return
-        self._run_segment(d_tokens)
+        self.stats.segments += 1
+        if d_tokens:
+            self.stats.segments_after_d += 1
+        if self.handoff:
+            self._wait_for_p()
 
     def _post_d_synced(self, load: Load) -> Load:
         """The post-D rendezvous of a DP round: share queued P tokens and the load (the max over
@@ -356,11 +371,9 @@ class PLane:
         self.stats.rendezvous_s += time.perf_counter() - start
         return shared[0]
 
-    def _run_segment(self, d_tokens: int) -> None:
-        """The cooperative hand-off: P runs its released segment's host work while D waits."""
-        self.stats.segments += 1
-        if d_tokens:
-            self.stats.segments_after_d += 1
+    def _wait_for_p(self) -> None:
+        """D waits until P stopped: parked at its permit, or at the end of its epoch (which then
+        ends here; a failed one fails its jobs and D goes on)."""
         start = time.perf_counter()
         try:
             status = self.controller.wait_parked()
@@ -392,6 +405,8 @@ class PLane:
         self.stats.epochs += 1
         self.stats.p_tokens += sum(j.end - j.start for j in epoch.chunks)
         self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
+        if not self.handoff:
+            sys.setswitchinterval(P_SWITCH_INTERVAL_S)
         if self.p_stream is not None:
             # P reads prefix blocks D wrote in earlier steps: order P after all of D's work so far.
             d_stream = torch.cuda.current_stream()
@@ -408,6 +423,8 @@ class PLane:
         assert epoch is not None
         self.epoch = None
         epoch.thread.join(timeout=self.config.timeout_s)
+        self.controller.close()
+        sys.setswitchinterval(self._switch_interval)
         if failed is not None:
             logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, failed)
             failed_jobs = list(epoch.jobs)
@@ -443,11 +460,10 @@ class PLane:
     # ---- the P thread --------------------------------------------------------------------------
 
     def _boundary(self, epoch: _Epoch, boundary: int) -> None:
-        """Publish `boundary`; if it is the permit, hand D's state back and park."""
+        """Publish `boundary`; if it is the permit, park until the next release."""
         epoch.reached = boundary
         if self.overlap is not None:
             self.overlap.end("p")
-        mine = self._swap_state(epoch.d_state)
         now = time.perf_counter()
         self.stats.p_enqueue_s += now - epoch.timings.get("resumed", now)
         try:
@@ -456,25 +472,13 @@ class PLane:
             resumed = time.perf_counter()
             self.stats.p_permit_wait_s += resumed - now
             epoch.timings["resumed"] = resumed
-            epoch.d_state = self._swap_state(mine)
             if self.overlap is not None:
                 self.overlap.start("p")
-
-    @staticmethod
-    def _swap_state(state: tuple[Any, Any]) -> tuple[Any, Any]:
-        """Install (forward context, workspace manager) as vLLM's process-wide ones; return the
-        pair they replace. Called only by the thread that runs model code (the hand-off)."""
-        replaced = (forward_context._forward_context, workspace._manager)
-        forward_context._forward_context, workspace._manager = state
-        return replaced
 
     def _run_epoch(self, epoch: _Epoch) -> None:
         torch.set_num_threads(self._threads)
         _P_THREAD.epoch = epoch
-        # The main thread waits for this thread's first stop: install P's workspace now (its
-        # forward context is set in `_forward`), and D's state again before reporting the end.
-        epoch.d_state = self._swap_state((forward_context._forward_context,
-                                          self.p_workspace or workspace._manager))
+        phase_state.enter_p(self.p_workspace)  # P's own forward context and workspace
         error: BaseException | None = None
         try:
             self.controller.attach(epoch.id, name=threading.current_thread().name)
@@ -492,7 +496,7 @@ class PLane:
         except BaseException as exc:  # reported to the main thread, which fails the jobs
             error = exc
         finally:
-            self._swap_state(epoch.d_state)
+            phase_state.leave_p()
             _P_THREAD.epoch = None
         if error is None:
             try:
