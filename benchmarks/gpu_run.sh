@@ -111,7 +111,7 @@ for job in "$@"; do
       wait ;;
     bench1a) compare bench1a 0 --variant "$V_NORMAL" --only stock,normal ;;
     bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_PD_HANDOFF" --only pd,pd_handoff ;;
-    bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only pd_genq,pd_gcomp ;;
+    bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only ${BENCH1C_ONLY:-pd_genq,pd_gcomp} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 64 --max-tokens 256 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
