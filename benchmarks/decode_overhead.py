@@ -50,7 +50,7 @@ def main() -> None:
             print(f"[decode-overhead] starting {name}", file=sys.stderr, flush=True)
             runners[name] = stack.enter_context(
                 gpu_llm(model, **kw) if args.gpu else offline_llm(model, 1, **kw))
-            runners[name].generate(prompts[:2], 4)  # warm-up
+            runners[name].generate(prompts, 8)  # warm-up with the full batch
         for rep in range(args.reps):
             order = list(engines) if rep % 2 == 0 else list(reversed(engines))
             for name in order:
