@@ -16,6 +16,7 @@ from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text, s
 from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.testing.server import VllmServer
+from vllm_ainfer_pd.worker.p_lane import FAIL_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 
@@ -47,8 +48,9 @@ def server(request):
     """Start a server; stop it after the test and print its log if the test failed."""
     started = []
 
-    def start(model, extra_args, ranks, name):
-        srv = VllmServer(model, serve_args(CPU_ENGINE_ARGS) + extra_args, cpu_env(ranks), name=name)
+    def start(model, extra_args, ranks, name, env=None):
+        srv = VllmServer(model, serve_args(CPU_ENGINE_ARGS) + extra_args,
+                         {**cpu_env(ranks), **(env or {})}, name=name)
         started.append(srv)
         srv.start()
         return srv
@@ -114,3 +116,29 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     ranks = by_rank(read_metrics_text(srv.url))
     per_rank = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks.values()]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, ranks
+
+
+def test_serve_dp2_a_failed_p_epoch_recomputes_inline_and_the_lane_goes_on(stock, server,
+                                                                          tiny_model):
+    """Every DP rank's P raises in epoch 0 (fault injection, before any P collective): the jobs of
+    that epoch are reported failed and recompute inline with stock's tokens, and both ranks go on
+    running epochs (the failed epoch is closed once, not raised again in later rounds)."""
+    stock_runner, stock_out, _ = stock
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}}
+    srv = server(tiny_model, ["--distributed-executor-backend", "ainfer_pd",
+                              "--additional-config", json.dumps(lane),
+                              "--data-parallel-size", "2", "--enable-expert-parallel"], 2,
+                 "ours-dp2-ep-fail", env={FAIL_ENV: "0"})
+    ours_out = run_waves(ServerRunner(srv.url, tiny_model), WAVES, MAX_TOKENS)
+    report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)
+    print(report)
+    assert report.fail == 0, report
+    assert "P epoch 0 on rank" in srv.log_text() and "fails on rank" in srv.log_text()
+    ranks = list(by_rank(read_metrics_text(srv.url)).values())
+    assert len(ranks) == 2, ranks
+    failed = sum(r.get("vllm_ainfer_pd_p_jobs_failed_total", 0) for r in ranks)
+    done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
+    epochs = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks]
+    assert failed >= 1 and done >= 4, ranks
+    assert epochs[0] == epochs[1] > 1, ranks  # epochs after the failed one, on both ranks
+    assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks

@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 # for 4 x timeout_s, long enough for its peers to give up) just before its pre-D rendezvous of
 # that round, as a hung rank would.
 STALL_ENV = "VLLM_AINFER_PD_TEST_STALL"
+# Fault injection for the failure-path tests: "<epoch>" makes P raise at boundary 1 of that epoch on
+# every rank (a deterministic P failure, like an out-of-memory at one batch shape: before layer 0's
+# attention, so no rank has begun a collective its peers would wait in).
+FAIL_ENV = "VLLM_AINFER_PD_TEST_FAIL_EPOCH"
 # Set on a P thread while it runs an epoch: `.epoch` (boundary hooks), `.depth` (nested collectives).
 _P_THREAD = threading.local()
 # While a P epoch is open with `p_host="concurrent"`, the interpreter switches threads at least
@@ -215,6 +219,7 @@ class PLane:
         stall = os.environ.get(STALL_ENV, "")
         self._stall_round = (int(stall.split(":")[1])
                              if stall and int(stall.split(":")[0]) == rank else None)
+        self._fail_epoch = int(os.environ.get(FAIL_ENV, "-1"))
         self._threads = torch.get_num_threads()
 
     def _install_boundaries(self) -> int:
@@ -461,6 +466,8 @@ class PLane:
 
     def _boundary(self, epoch: _Epoch, boundary: int) -> None:
         """Publish `boundary`; if it is the permit, park until the next release."""
+        if boundary == 1 and epoch.id == self._fail_epoch:
+            raise RuntimeError(f"{FAIL_ENV}: P epoch {epoch.id} fails on rank {self.rank}")
         epoch.reached = boundary
         if self.overlap is not None:
             self.overlap.end("p")
