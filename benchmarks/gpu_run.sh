@@ -14,6 +14,8 @@
 #   bench1a bench1b bench1c   one GPU, one call each (a call runs at most 10 min): stock+normal,
 #              pd+pd_handoff, pd_genq+pd_gcomp (the ladder); merged afterwards with `rollout merge`
 #   decode1    decode-only overhead, tiny model: pd (no P) vs normal vs stock side by side
+#   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
+#   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
@@ -113,9 +115,14 @@ for job in "$@"; do
     bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_PD_HANDOFF" --only pd,pd_handoff ;;
     bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only ${BENCH1C_ONLY:-pd_genq,pd_gcomp} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
-               --model .gpu/tiny --requests 64 --max-tokens 256 --reps 7 \
+               --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
              echo "== decode1: rc=$?" ;;
+    tp2dp2bi) VLLM_BATCH_INVARIANT=1 parity tp2dp2_ep_bfloat16_bi 0,1,2,3 --model .gpu/tiny --tp 2 \
+                --dp 2 --dtype bfloat16 --additional-config "$LANE" \
+                --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
+    bench4) compare bench4 0,1,2,3 --tp 2 --dp 2 --enable-expert-parallel "$TP2_COMPILE" \
+              --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;
     *) echo "unknown job $job" ;;
