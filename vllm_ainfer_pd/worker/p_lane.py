@@ -194,8 +194,8 @@ class PLane:
             make_policy(config.segment_policy, k=config.segment_span,
                         spans=load_spans(self.num_boundaries)),
             config.ordering,
-            # The lane ends an epoch in `after_d`, so it fences there (`_end_epoch`); the
-            # turnstile's own pre-D fence never sees a finished epoch.
+            # The lane ends an epoch when D sees P's end (`_wait_for_p`), so it fences there
+            # (`_end_epoch`); the turnstile's own pre-D fence never sees a finished epoch.
             device_fence=lambda epoch: None,
         )
         self.pending: collections.deque[PJob] = collections.deque()

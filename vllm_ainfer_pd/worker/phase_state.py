@@ -27,8 +27,7 @@ _P = threading.local()  # on a P thread inside `enter_p`: .active, .forward_cont
 
 def enter_p(p_workspace: Any) -> None:
     """From here on, the calling thread has its own forward context (None until P's
-    `set_forward_context`) and workspace manager (`p_workspace`)."""
-    install()
+    `set_forward_context`) and workspace manager (`p_workspace`). Needs `install()` first."""
     _P.forward_context = None
     _P.workspace = p_workspace
     _P.active = True
@@ -38,11 +37,6 @@ def leave_p() -> None:
     _P.active = False
     _P.forward_context = None
     _P.workspace = None
-
-
-def p_forward_context() -> Any:
-    """The calling thread's P forward context (None outside P's forward)."""
-    return getattr(_P, "forward_context", None)
 
 
 # ---- replacement code objects (run with the vLLM module's globals) -----------------------------
