@@ -17,6 +17,8 @@
 #   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
+#   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
+#              stock, normal, pd, pd_genq; output bench2dp_$BENCH2DP_TAG (default a)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
@@ -56,8 +58,10 @@ tp1() {  # $1: name suffix
 }
 
 # Rollout comparisons on the `gpu` model preset (.gpu/gpu-model: config + tokenizer, weights made
-# by vLLM with --load-format dummy), trace preset gpu-quick, 3 repetitions, waits halved.
-ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wait-scale 0.5 --no-progress"
+# by vLLM with --load-format dummy), trace preset gpu-quick, 3 repetitions, waits x $WAIT_SCALE
+# (default 0.5; there the client waits bind the makespan at >= 17.7 s, physical_floor.py --wait-scale;
+# at 0.1 the hardware floor binds).
+ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wait-scale ${WAIT_SCALE:-0.5} --no-progress"
 V_NORMAL='normal={"ainfer_pd": {"mode": "normal"}}'
 V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
 V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
@@ -96,7 +100,7 @@ for job in "$@"; do
     dp2bi) VLLM_BATCH_INVARIANT=1 parity dp2_ep_bfloat16_bi 0,1 --model .gpu/tiny --dp 2 --dtype bfloat16 \
              --additional-config "$LANE" ;;
     floor) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/physical_floor.py --model-preset gpu \
-             --trace-preset gpu-quick --measure --json-out $OUT/floor.json ;;
+             --trace-preset gpu-quick --wait-scale ${WAIT_SCALE:-0.5} --measure --json-out $OUT/floor.json ;;
     bench1)  # TP=1: stock + normal on GPU 0 while pd + pd_k1 run on GPU 1, then one report
       if [[ $NGPU -lt 2 ]]; then
         compare bench1 0 --variant "$V_NORMAL" --variant "$V_PD" --only stock,normal,pd; continue
@@ -123,6 +127,9 @@ for job in "$@"; do
                 --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
     bench4) compare bench4 0,1,2,3 --tp 2 --dp 2 --enable-expert-parallel "$TP2_COMPILE" \
               --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
+    bench2dp) compare bench2dp_${BENCH2DP_TAG:-a} 0,1 --dp 2 --enable-expert-parallel \
+                --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" \
+                --only ${BENCH2DP_ONLY:-stock,normal} ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;
     *) echo "unknown job $job" ;;

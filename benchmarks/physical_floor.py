@@ -26,6 +26,10 @@ The model, for a Qwen3-MoE config (every layer MoE, no shared experts):
   imbalance between ranks. Both sums are divided over all ranks = tp * dp.
 - floor = max(P FLOPs / (peak * ranks), D bytes / (hbm * ranks)) if P and D overlap perfectly;
   their sum is the floor if they run one after the other.
+- Client-wait floor: no backend can finish a trajectory before its release time plus its client
+  waits (x the replay's `--wait-scale`), whatever the hardware; the makespan's lower bound is the
+  larger of that and the hardware floor. Where the client-wait floor is the larger, the trace
+  measures latency more than throughput, and a backend's makespan can shrink only to it.
 """
 
 from __future__ import annotations
@@ -100,8 +104,15 @@ def decode_bytes(shape: MoEShape, reqs: list[tuple[int, int, int]], batch: float
     return {"steps": steps, "experts_touched_per_layer": touched, "weights": weights, "kv": kv}
 
 
+def client_wait_floor(trace, wait_scale: float) -> float:
+    """The latest trajectory end if every request took no time: release + scaled client waits."""
+    return max(t.start_s + wait_scale * sum(turn.wait_s for turn in t.turns)
+               for t in trace.trajectories)
+
+
 def floor(trace, shape: MoEShape, tp: int, dp: int, dtype_bytes: int, decode_batch: float,
-          peak_tflops: float, hbm_tbps: float, makespan_s: float | None = None) -> dict:
+          peak_tflops: float, hbm_tbps: float, makespan_s: float | None = None,
+          wait_scale: float = 1.0) -> dict:
     reqs = requests(trace)
     ranks = tp * dp
     p_flops = sum(prefill_flops(shape, ctx, new) for ctx, new, _ in reqs)
@@ -113,7 +124,7 @@ def floor(trace, shape: MoEShape, tp: int, dp: int, dtype_bytes: int, decode_bat
         "inputs": {"shape": asdict(shape), "tp": tp, "dp": dp, "ranks": ranks,
                    "dtype_bytes": dtype_bytes, "decode_batch": decode_batch,
                    "peak_tflops": peak_tflops, "hbm_tbps": hbm_tbps, "makespan_s": makespan_s,
-                   "trace_meta": dict(trace.meta)},
+                   "wait_scale": wait_scale, "trace_meta": dict(trace.meta)},
         "counts": {"trajectories": len(trace.trajectories), "requests": len(reqs),
                    "new_prompt_tokens": sum(new for _, new, _ in reqs),
                    "prompt_tokens": sum(ctx for ctx, _, _ in reqs),
@@ -122,7 +133,9 @@ def floor(trace, shape: MoEShape, tp: int, dp: int, dtype_bytes: int, decode_bat
         "d_kv_bytes": d["kv"], "decode_steps": d["steps"],
         "experts_touched_per_layer": d["experts_touched_per_layer"],
         "p_s": p_s, "d_s": d_s, "floor_overlap_s": max(p_s, d_s), "floor_serial_s": p_s + d_s,
+        "client_wait_floor_s": client_wait_floor(trace, wait_scale),
     }
+    out["makespan_lower_bound_s"] = max(out["floor_overlap_s"], out["client_wait_floor_s"])
     if makespan_s is not None:
         out["ratio_overlap"] = makespan_s / out["floor_overlap_s"]
         out["ratio_serial"] = makespan_s / out["floor_serial_s"]
@@ -179,6 +192,9 @@ def report(r: dict) -> str:
         ("D time", f"{r['d_s']:.3f} s"),
         ("floor, P|D overlap", f"{r['floor_overlap_s']:.3f} s"),
         ("floor, P then D", f"{r['floor_serial_s']:.3f} s"),
+        ("client-wait floor", f"{r['client_wait_floor_s']:.3f} s (waits x {i['wait_scale']:g}: "
+                              f"the longest trajectory's release + waits)"),
+        ("makespan >=", f"{r['makespan_lower_bound_s']:.3f} s (the larger floor)"),
     ]
     if "ratio_overlap" in r:
         rows += [("measured makespan", f"{i['makespan_s']:.3f} s"),
@@ -209,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hbm-tbps", type=float, help="HBM bandwidth per rank (TB/s)")
     p.add_argument("--measure", action="store_true", help="measure both on this CUDA device")
     p.add_argument("--makespan-s", type=float, default=None, help="measured rollout makespan")
+    p.add_argument("--wait-scale", type=float, default=1.0,
+                   help="the replay's --wait-scale (client waits x this)")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.measure == (args.peak_tflops is not None or args.hbm_tbps is not None):
@@ -217,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("give both --peak-tflops and --hbm-tbps")
     if min(args.tp, args.dp, args.dtype_bytes) < 1:
         p.error("--tp, --dp and --dtype-bytes must be >= 1")
+    if not args.wait_scale >= 0:
+        p.error(f"--wait-scale must be >= 0, got {args.wait_scale}")
 
     trace = load_trace(args.trace) if args.trace else generate(args.trace_preset, args.seed)
     cfg = (json.loads(args.config.read_text()) if args.config
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     if batch <= 0:
         p.error("--decode-batch must be > 0")
     r = floor(trace, MoEShape.from_hf(cfg), args.tp, args.dp, args.dtype_bytes, batch, peak, hbm,
-              args.makespan_s)
+              args.makespan_s, args.wait_scale)
     r["inputs"].update(peaks_source=source, trace=str(args.trace or args.trace_preset),
                        model=str(args.config or args.model_preset), seed=args.seed)
     print(report(r))

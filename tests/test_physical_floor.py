@@ -55,6 +55,20 @@ def test_prefill_flops_and_decode_bytes_match_the_hand_computation():
                            "prompt_tokens": 10, "output_tokens": 3}
 
 
+def test_client_wait_floor_is_the_latest_release_plus_scaled_waits():
+    late = Trajectory("t1", (Turn(4, 1), Turn(1, 1, 2.0), Turn(1, 1, 3.0)), start_s=1.0)
+    trace = Trace((TRACE.trajectories[0], late))
+    assert pf.client_wait_floor(trace, 1.0) == pytest.approx(1.0 + 5.0)  # t0: 0.5
+    assert pf.client_wait_floor(trace, 0.5) == pytest.approx(1.0 + 2.5)
+    r = pf.floor(trace, pf.MoEShape.from_hf(CONFIG), tp=1, dp=1, dtype_bytes=2, decode_batch=2,
+                 peak_tflops=1.0, hbm_tbps=1.0, wait_scale=0.5)
+    assert r["client_wait_floor_s"] == pytest.approx(3.5)
+    assert r["makespan_lower_bound_s"] == pytest.approx(3.5)  # the hardware floor is ~1e-8 s
+    slow = pf.floor(TRACE, pf.MoEShape.from_hf(CONFIG), tp=1, dp=1, dtype_bytes=2,
+                    decode_batch=2, peak_tflops=1e-9, hbm_tbps=1e-9, wait_scale=0.5)
+    assert slow["makespan_lower_bound_s"] == pytest.approx(P_FLOPS / 1000)  # hardware binds
+
+
 def test_dp_replicates_dense_weights_and_splits_the_work_over_all_ranks():
     r = pf.floor(TRACE, pf.MoEShape.from_hf(CONFIG), tp=2, dp=2, dtype_bytes=2, decode_batch=2,
                  peak_tflops=1e-9, hbm_tbps=1e-9)

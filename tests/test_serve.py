@@ -101,8 +101,14 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     # P's host work beside D's step (`p_host="concurrent"`, the GPU default) across DP ranks.
     concurrent = ["--additional-config",
                   json.dumps({"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}})]
+    # A step budget below a rank's queued P tokens (wave 0 queues ~700 lane tokens over the two
+    # ranks, prompts up to 230): prompts split over epochs, and every rank must announce the
+    # tokens its next epoch takes, not all it has queued (on 2 x H200 the difference failed P's
+    # DP metadata and then hung the rank whose P did run).
     srv = server(tiny_model, OURS[:2] + concurrent + ["--data-parallel-size", "2",
-                                                      "--enable-expert-parallel"], 2, "ours-dp2-ep")
+                                                      "--enable-expert-parallel",
+                                                      "--max-num-batched-tokens", "128"],
+                 2, "ours-dp2-ep")
     ours = ServerRunner(srv.url, tiny_model)
     ours_out = run_waves(ours, WAVES, MAX_TOKENS)
     report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)

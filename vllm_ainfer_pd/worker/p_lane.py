@@ -362,8 +362,10 @@ class PLane:
     def _post_d_synced(self, load: Load) -> Load:
         """The post-D rendezvous of a DP round: share queued P tokens and the load (the max over
         ranks, so every rank picks the same K); release the next segment if an epoch is open."""
-        queued = sum(j.end - j.start for j in self.pending)
-        payload = (queued, round(load.d_occupancy * 1e6), round(load.p_pressure * 1e6))
+        # The tokens this rank's next epoch takes (`_open_epoch` takes at most the step budget):
+        # they become its entry in P's DP metadata, which vLLM checks against P's batch.
+        next_epoch = min(sum(j.end - j.start for j in self.pending), self.max_epoch_tokens)
+        payload = (next_epoch, round(load.d_occupancy * 1e6), round(load.p_pressure * 1e6))
         shared: list[Load] = []
 
         def shared_load(payloads: list[tuple[int, ...]]) -> Load:
