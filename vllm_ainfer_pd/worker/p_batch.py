@@ -57,12 +57,13 @@ class PBatchBuilder:
         self.ids_dtype = getattr(runner.input_ids, "gpu", runner.input_ids).dtype
         self.positions_dtype = getattr(runner.positions, "gpu", runner.positions).dtype
 
-    def no_work(self) -> PBatch:
-        """One dummy token, no attention metadata and no KV slots: attention writes nothing."""
-        return PBatch(input_ids=torch.zeros(1, dtype=self.ids_dtype, device=self.device),
-                      positions=torch.zeros(1, dtype=self.positions_dtype, device=self.device),
+    def no_work(self, num_tokens: int = 1) -> PBatch:
+        """Dummy tokens, no attention metadata and no KV slots: attention writes nothing."""
+        return PBatch(input_ids=torch.zeros(num_tokens, dtype=self.ids_dtype, device=self.device),
+                      positions=torch.zeros(num_tokens, dtype=self.positions_dtype,
+                                            device=self.device),
                       attn_metadata=None,
-                      slot_mapping={}, num_tokens=1)
+                      slot_mapping={}, num_tokens=num_tokens)
 
     def build(self, jobs: list[PJob]) -> PBatch:
         ids = np.concatenate([np.asarray(j.token_ids, dtype=np.int64) for j in jobs])

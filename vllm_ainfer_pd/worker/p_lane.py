@@ -53,7 +53,7 @@ from vllm_ainfer_pd.turnstile import (
 from vllm_ainfer_pd.turnstile.route import StreamRoute
 from vllm_ainfer_pd.worker import phase_state
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
-from vllm_ainfer_pd.worker.p_batch import PBatchBuilder
+from vllm_ainfer_pd.worker.p_batch import PBatch, PBatchBuilder
 
 if TYPE_CHECKING:
     from vllm_ainfer_pd.connector import JobKey, PJob, PLaneMetadata
@@ -65,7 +65,8 @@ logger = logging.getLogger(__name__)
 STALL_ENV = "VLLM_AINFER_PD_TEST_STALL"
 # Fault injection for the failure-path tests: "<epoch>" makes P raise at boundary 1 of that epoch on
 # every rank (a deterministic P failure, like an out-of-memory at one batch shape: before layer 0's
-# attention, so no rank has begun a collective its peers would wait in).
+# attention, so no rank has begun a collective its peers would wait in); "<epoch>@<world rank>"
+# makes only that rank's P fail, while it prepares its batch (`_forward`).
 FAIL_ENV = "VLLM_AINFER_PD_TEST_FAIL_EPOCH"
 # Set on a P thread while it runs an epoch: `.epoch` (boundary hooks), `.depth` (nested collectives).
 _P_THREAD = threading.local()
@@ -219,7 +220,12 @@ class PLane:
         stall = os.environ.get(STALL_ENV, "")
         self._stall_round = (int(stall.split(":")[1])
                              if stall and int(stall.split(":")[0]) == rank else None)
-        self._fail_epoch = int(os.environ.get(FAIL_ENV, "-1"))
+        fail_epoch, _, fail_rank = os.environ.get(FAIL_ENV, "-1").partition("@")
+        self._fail_epoch = int(fail_epoch)
+        self._fail_at_prepare = fail_rank != ""
+        if self._fail_at_prepare and int(fail_rank) != rank:
+            self._fail_epoch = -1
+        self.dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         self._threads = torch.get_num_threads()
 
     def _install_boundaries(self) -> int:
@@ -468,7 +474,7 @@ class PLane:
 
     def _boundary(self, epoch: _Epoch, boundary: int) -> None:
         """Publish `boundary`; if it is the permit, park until the next release."""
-        if boundary == 1 and epoch.id == self._fail_epoch:
+        if boundary == 1 and epoch.id == self._fail_epoch and not self._fail_at_prepare:
             raise RuntimeError(f"{FAIL_ENV}: P epoch {epoch.id} fails on rank {self.rank}")
         epoch.reached = boundary
         if self.overlap is not None:
@@ -527,11 +533,33 @@ class PLane:
         graphs, over the epoch's batch, parking at each attention layer (`_install_boundaries`).
         Its hidden states are dropped: P only fills KV; the promoted request's last prompt token
         runs in D. A DP rank without jobs runs one dummy token with no attention metadata (no KV
-        written), so its MoE collectives match the other ranks' P."""
-        batch = self.builder.build(epoch.chunks) if epoch.chunks else self.builder.no_work()
-        across_dp = None
-        if epoch.dp_counts is not None:
-            across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
+        written), so its MoE collectives match the other ranks' P.
+
+        At DP > 1 the other ranks' P runs this epoch's MoE collectives whatever this rank does, so
+        if this rank cannot prepare its batch it runs as many dummy tokens as it announced (no KV
+        written) before it fails: the peers' collectives complete and only its own jobs fail."""
+        if epoch.dp_counts is None:
+            self._run_model(epoch, self._prepare(epoch), None)
+            return
+        across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
+        announced = int(across_dp[self.dp_rank])
+        try:
+            batch = self._prepare(epoch)
+            if batch.num_tokens != announced:
+                raise RuntimeError(f"P's batch on rank {self.rank} has {batch.num_tokens} tokens, "
+                                   f"but the rank announced {announced} to the DP group")
+        except Exception:
+            self._run_model(epoch, self.builder.no_work(announced), across_dp)
+            raise
+        self._run_model(epoch, batch, across_dp)
+
+    def _prepare(self, epoch: _Epoch) -> PBatch:
+        if epoch.id == self._fail_epoch and self._fail_at_prepare:
+            raise RuntimeError(f"{FAIL_ENV}: P epoch {epoch.id} fails on rank {self.rank} "
+                               f"while it prepares its batch")
+        return self.builder.build(epoch.chunks) if epoch.chunks else self.builder.no_work()
+
+    def _run_model(self, epoch: _Epoch, batch: PBatch, across_dp: torch.Tensor | None) -> None:
         with forward_context.set_forward_context(
             batch.attn_metadata,
             self.vllm_config,
