@@ -18,7 +18,8 @@
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
-#              stock, normal, pd, pd_genq; output bench2dp_$BENCH2DP_TAG (default a)
+#              stock, normal, pd, pd_genq, pd_whole; output bench2dp_$BENCH2DP_TAG (default a)
+#   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
@@ -67,6 +68,8 @@ V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
 V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
+# Fine ordering, one segment per epoch (K past the last boundary): TTFT against D's protection.
+V_PD_WHOLE='pd_whole={"ainfer_pd": {"segment_span": 64, "overlap_timing": true}}'
 V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
 TP2_COMPILE='--serve-arg=--compilation-config={"pass_config":{"fuse_allreduce_rms":false}}'
 
@@ -117,6 +120,7 @@ for job in "$@"; do
       wait ;;
     bench1a) compare bench1a 0 --variant "$V_NORMAL" --only stock,normal ;;
     bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_PD_HANDOFF" --only pd,pd_handoff ;;
+    bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only ${BENCH1C_ONLY:-pd_genq,pd_gcomp} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
@@ -128,7 +132,7 @@ for job in "$@"; do
     bench4) compare bench4 0,1,2,3 --tp 2 --dp 2 --enable-expert-parallel "$TP2_COMPILE" \
               --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
     bench2dp) compare bench2dp_${BENCH2DP_TAG:-a} 0,1 --dp 2 --enable-expert-parallel \
-                --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" \
+                --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" --variant "$V_PD_WHOLE" \
                 --only ${BENCH2DP_ONLY:-stock,normal} ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;

@@ -92,6 +92,16 @@ def test_offline_tp1_fine_with_load_selected_span_matches_stock(stock_tp1, tiny_
     assert lane_stats["epochs"] < lane_stats["segments"] < 5 * lane_stats["epochs"], lane_stats
 
 
+def test_offline_tp1_fine_with_a_span_past_the_last_boundary_runs_one_segment_per_epoch(
+        stock_tp1, tiny_model):
+    """Fine ordering with K beyond the model's boundaries (`gpu_run.sh`'s `pd_whole`): the permit
+    lies past the last boundary, so each epoch is one release, with the same tokens."""
+    status = tp1_lane_matches_stock(stock_tp1, tiny_model, {
+        "p_lane_min_tokens": 32, "segment_span": 64, "p_host": "concurrent"})
+    lane_stats = status[0]["p_lane"]
+    assert lane_stats["segments"] == lane_stats["epochs"] > 0, lane_stats
+
+
 def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other_seed):
     """The harness can fail: the same backend on differently seeded weights must not pass. (This
     engine is also the one that proves the fully qualified executor path works without the
