@@ -120,8 +120,8 @@ for job in "$@"; do
       wait ;;
     bench1a) compare bench1a 0 --variant "$V_NORMAL" --only stock,normal ;;
     bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_PD_HANDOFF" --only pd,pd_handoff ;;
-    bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only ${BENCH1C_ONLY:-pd_genq,pd_gcomp} ;;
+    bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1

@@ -211,7 +211,7 @@ class PLane:
         self.reports: list[tuple[PJob, bool]] = []  # (job, failed) ready for get_finished
         self.stats = LaneStats()
         # DP > 1: every D iteration is an all-rank round whose post-D rendezvous carries each
-        # rank's queued P tokens, so all DP ranks open an epoch together: P's MoE collectives
+        # rank's next-epoch P tokens, so all DP ranks open an epoch together: P's MoE collectives
         # span the EP group, and a rank with no P runs a matched no-work epoch (one dummy token).
         self.dp_size = dp_size
         self.synced = dp_size > 1
@@ -222,9 +222,7 @@ class PLane:
                              if stall and int(stall.split(":")[0]) == rank else None)
         fail_epoch, _, fail_rank = os.environ.get(FAIL_ENV, "-1").partition("@")
         self._fail_epoch = int(fail_epoch)
-        self._fail_at_prepare = fail_rank != ""
-        if self._fail_at_prepare and int(fail_rank) != rank:
-            self._fail_epoch = -1
+        self._fail_rank = int(fail_rank) if fail_rank else None  # None: every rank, at boundary 1
         self.dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         self._threads = torch.get_num_threads()
 
@@ -366,8 +364,9 @@ class PLane:
             self._wait_for_p()
 
     def _post_d_synced(self, load: Load) -> Load:
-        """The post-D rendezvous of a DP round: share queued P tokens and the load (the max over
-        ranks, so every rank picks the same K); release the next segment if an epoch is open."""
+        """The post-D rendezvous of a DP round: share the tokens of each rank's next epoch and the
+        load (the max over ranks, so every rank picks the same K); release the next segment if an
+        epoch is open."""
         # The tokens this rank's next epoch takes (`_open_epoch` takes at most the step budget):
         # they become its entry in P's DP metadata, which vLLM checks against P's batch.
         next_epoch = min(sum(j.end - j.start for j in self.pending), self.max_epoch_tokens)
@@ -474,7 +473,7 @@ class PLane:
 
     def _boundary(self, epoch: _Epoch, boundary: int) -> None:
         """Publish `boundary`; if it is the permit, park until the next release."""
-        if boundary == 1 and epoch.id == self._fail_epoch and not self._fail_at_prepare:
+        if boundary == 1 and epoch.id == self._fail_epoch and self._fail_rank is None:
             raise RuntimeError(f"{FAIL_ENV}: P epoch {epoch.id} fails on rank {self.rank}")
         epoch.reached = boundary
         if self.overlap is not None:
@@ -554,7 +553,7 @@ class PLane:
         self._run_model(epoch, batch, across_dp)
 
     def _prepare(self, epoch: _Epoch) -> PBatch:
-        if epoch.id == self._fail_epoch and self._fail_at_prepare:
+        if epoch.id == self._fail_epoch and self._fail_rank == self.rank:
             raise RuntimeError(f"{FAIL_ENV}: P epoch {epoch.id} fails on rank {self.rank} "
                                f"while it prepares its batch")
         return self.builder.build(epoch.chunks) if epoch.chunks else self.builder.no_work()
