@@ -9,6 +9,8 @@ DP2+EP is compared with stock TP=1 under the tie rule, as the parity harness all
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 
 import pytest
 
@@ -41,6 +43,31 @@ def assert_lane_ran_beside_d(metrics: dict[str, float]) -> None:
     assert metrics.get("vllm_ainfer_pd_p_jobs_done_total", 0) >= 8, metrics
     assert metrics.get("vllm_ainfer_pd_segments_after_d_total", 0) > 0, metrics
     assert metrics.get("vllm_ainfer_pd_p_jobs_failed_total", 0) == 0, metrics
+
+
+def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 30.0):
+    """Per-rank lane counters once every DP rank has reported all it did.
+
+    A rank's counters reach `/metrics` with its next real forward (vllm_ainfer_pd.metrics), so
+    what a rank did in dummy steps or after its last forward is not there yet when a run ends.
+    One short inline request per DP rank (routed by vLLM's `X-data-parallel-rank` header; too
+    short for the P lane) gives each rank that forward; then wait for the frontend to record it.
+    """
+    for dp_rank in range(dp_size):
+        body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            url.rstrip("/") + "/v1/completions", data=body, method="POST",
+            headers={"Content-Type": "application/json", "X-data-parallel-rank": str(dp_rank)})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.status == 200
+    deadline = time.monotonic() + timeout_s
+    previous = None
+    while True:
+        ranks = by_rank(read_metrics_text(url))
+        if ranks == previous or time.monotonic() > deadline:
+            return ranks
+        previous = ranks
+        time.sleep(2.0)
 
 
 @pytest.fixture
@@ -116,10 +143,9 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     assert report.fail == 0, report
     log = srv.log_text()
     assert "EngineCore_DP1" in log and "Worker_DP1_EP1" in log
-    metrics = lane_metrics(srv.url)
-    assert_lane_ran_beside_d(metrics)
+    ranks = settled_rank_metrics(srv.url, tiny_model, 2)
+    assert_lane_ran_beside_d(lane_metrics(srv.url))
     # Both DP ranks ran every epoch (a rank without P runs a matched no-work epoch).
-    ranks = by_rank(read_metrics_text(srv.url))
     per_rank = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks.values()]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, ranks
 
@@ -146,7 +172,7 @@ def test_serve_dp2_a_failed_p_epoch_recomputes_inline_and_the_lane_goes_on(stock
     log = srv.log_text()
     assert "P epoch 0 on rank 1 failed" in log and "fails on rank 1" in log
     assert ("P epoch 0 on rank 0 failed" in log) == (fail == "0"), log[-4000:]
-    ranks = list(by_rank(read_metrics_text(srv.url)).values())
+    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
     assert len(ranks) == 2, ranks
     failed = sum(r.get("vllm_ainfer_pd_p_jobs_failed_total", 0) for r in ranks)
     done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)

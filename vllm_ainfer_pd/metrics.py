@@ -7,6 +7,11 @@ loggers (a) add them to the Prometheus counters below, served on `/metrics` as `
 with `engine` and `rank` labels, and (b) log a per-interval summary ("KV Transfer metrics: ...").
 Stats need `log_stats` (on for `vllm serve`; off by default for the offline `LLM`, whose callers
 read `collective_rpc("ainfer_pd_status")` instead).
+
+A rank's report rides on its next real forward: what it counts after that forward's report (its
+post-D rendezvous, which opens epochs) or in DP dummy steps (which return nothing to the
+scheduler) reaches `/metrics` with its next real forward. After a run ends, one short request per
+DP rank (vLLM's `X-data-parallel-rank` header) settles the counters.
 """
 
 from __future__ import annotations
