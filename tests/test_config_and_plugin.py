@@ -39,3 +39,54 @@ def test_bad_mode_value_is_named():
 def test_wrong_type_is_named():
     with pytest.raises(ConfigError, match=r"ainfer_pd.mode=3 must be of type str"):
         AInferPDConfig.from_dict({"mode": 3})
+
+
+@pytest.fixture
+def vllm_config(tiny_model):
+    from vllm.config import ModelConfig, VllmConfig
+
+    return VllmConfig(model_config=ModelConfig(model=tiny_model, skip_tokenizer_init=True,
+                                               dtype="float32", seed=0))
+
+
+def test_the_lane_takes_vllms_connector_slot_and_refuses_another_connector(vllm_config):
+    from vllm.config import KVTransferConfig
+
+    from vllm_ainfer_pd.connector import CONNECTOR_NAME
+    from vllm_ainfer_pd.executor import configure_p_lane
+
+    configure_p_lane(vllm_config, AInferPDConfig())
+    assert vllm_config.kv_transfer_config.kv_connector == CONNECTOR_NAME
+    assert vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    configure_p_lane(vllm_config, AInferPDConfig())  # idempotent (frontend, then EngineCore)
+    assert vllm_config.kv_transfer_config.kv_connector == CONNECTOR_NAME
+
+    vllm_config.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector",
+                                                      kv_role="kv_both")
+    with pytest.raises(ConfigError, match="already gives to 'ExampleConnector'; use "
+                                          "mode='normal' or drop the other connector"):
+        configure_p_lane(vllm_config, AInferPDConfig())
+    configure_p_lane(vllm_config, AInferPDConfig(mode="normal"))  # no lane: the slot is theirs
+    assert vllm_config.kv_transfer_config.kv_connector == "ExampleConnector"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("pipeline_parallel_size", 2,
+     r"ainfer_pd does not support pipeline parallelism \(pipeline_parallel_size=2\)"),
+    ("worker_cls", "my.Worker", r"ainfer_pd chooses its own worker; got worker_cls='my.Worker'"),
+])
+def test_a_deployment_the_backend_cannot_run_is_named(vllm_config, field, value, message):
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    assert AInferPDExecutor.validate(vllm_config).mode == "pd"
+    setattr(vllm_config.parallel_config, field, value)
+    with pytest.raises(ConfigError, match=message):
+        AInferPDExecutor.validate(vllm_config)
+
+
+def test_another_scheduler_class_is_named(vllm_config):
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    vllm_config.scheduler_config.scheduler_cls = "my.Scheduler"
+    with pytest.raises(ConfigError, match=r"got scheduler_cls='my.Scheduler'"):
+        AInferPDExecutor.validate(vllm_config)
