@@ -90,3 +90,15 @@ def test_another_scheduler_class_is_named(vllm_config):
     vllm_config.scheduler_config.scheduler_cls = "my.Scheduler"
     with pytest.raises(ConfigError, match=r"got scheduler_cls='my.Scheduler'"):
         AInferPDExecutor.validate(vllm_config)
+
+
+def test_lora_is_refused_with_the_lane_and_allowed_without(vllm_config):
+    from vllm.config import LoRAConfig
+
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    vllm_config.lora_config = LoRAConfig()
+    with pytest.raises(ConfigError, match=r"does not run LoRA adapters \(--enable-lora\)"):
+        AInferPDExecutor.validate(vllm_config)
+    vllm_config.additional_config = {"ainfer_pd": {"mode": "normal"}}
+    assert AInferPDExecutor.validate(vllm_config).mode == "normal"

@@ -9,6 +9,7 @@ DP2+EP is compared with stock TP=1 under the tie rule, as the parity harness all
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 
@@ -107,6 +108,25 @@ def _chat(runner: ServerRunner):
     return r.choices[0]
 
 
+def _fresh_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Prompts no earlier request cached, long enough for the lane (>= 32 tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def _seeded_samples(runner: ServerRunner, prompt: list[int]) -> list[list[int]]:
+    """n=3 random samples with a request seed (an RL rollout's request shape)."""
+    r = runner.client().completions.create(
+        model=runner.model, prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=7,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    return [list(c.token_ids) for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def _jobs_done(url: str, model: str) -> float:
+    return sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0)
+               for r in settled_rank_metrics(url, model, 1).values())
+
+
 def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     stock_runner, stock_out, stock_chat = stock
     srv = server(tiny_model, OURS, 1, "ours-tp1")
@@ -121,6 +141,26 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     assert chat.message.content == stock_chat.message.content
     assert "AInferPDScheduler" in srv.log_text()
     assert_lane_ran_beside_d(lane_metrics(srv.url))
+
+    # Prompt logprobs need the logits of every prompt position, which the lane's P does not
+    # compute: such prompts run inline (before, their garbage prompt logprobs crashed the
+    # server's output processor), with stock's values.
+    jobs_before = _jobs_done(srv.url, tiny_model)
+    scored = _fresh_prompts(1, (40, 90, 150))
+    ours_scores, stock_scores = ours.teacher_force(scored), stock_runner.teacher_force(scored)
+    assert [len(s) for s in ours_scores] == [len(p) for p in scored]
+    for ours_seq, stock_seq in zip(ours_scores, stock_scores):
+        assert ours_seq[0] is None and stock_seq[0] is None
+        for mine, theirs in zip(ours_seq[1:], stock_seq[1:]):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine), (mine, theirs)
+    assert _jobs_done(srv.url, tiny_model) == jobs_before
+
+    # Seeded random sampling with n > 1 through the lane: the same samples as stock.
+    sampled = _fresh_prompts(2, (60, 120))
+    assert [_seeded_samples(ours, p) for p in sampled] == \
+        [_seeded_samples(stock_runner, p) for p in sampled]
+    assert _jobs_done(srv.url, tiny_model) >= jobs_before + 2 * 3
 
 
 def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):

@@ -87,13 +87,23 @@ class DState:
     total_blocks: int = 1
 
 
+def needs_inline_prefill(request: Request) -> bool:
+    """Whether a prompt needs more of its prefill than the KV the lane writes: the lane's P
+    forward takes token ids only and returns no logits, so prompt logprobs (vLLM also marks them
+    `skip_reading_prefix_cache`, as it does a request that asks not to read cached KV), prompt
+    embeddings, multimodal inputs and pooling run inline in D's step, as in stock vLLM."""
+    return bool(request.skip_reading_prefix_cache or request.prompt_embeds is not None
+                or request.mm_features or request.pooling_params is not None)
+
+
 class AInferPDConnector(KVConnectorBase_V1):
     """Admission policy and P-job bookkeeping of the P lane.
 
     Policy, asked once per step for each fresh prompt after vLLM has committed the step's D rows:
     - inline (`(0, False)`): the lane is off (`mode="normal"`), the prompt has fewer than
-      `p_lane_min_tokens` uncached tokens, or its P already failed in the lane (it recomputes
-      inline, so a broken worker cannot loop a request forever);
+      `p_lane_min_tokens` uncached tokens, its P already failed in the lane (it recomputes
+      inline, so a broken worker cannot loop a request forever), or it needs what only D's own
+      forward gives (`needs_inline_prefill`);
     - wait (`(None, False)`, asked again next step; later prompts may still go): the lane is full
       (`max_p_inflight` jobs, P pressure), or reserving the prompt's blocks would leave fewer free
       blocks than running D rows (D occupancy: each running row keeps one block of headroom to
@@ -131,6 +141,7 @@ class AInferPDConnector(KVConnectorBase_V1):
             not self.config.p_lane_enabled
             or request.request_id in self.failed
             or uncached < self.config.p_lane_min_tokens
+            or needs_inline_prefill(request)
         ):
             return False
         if len(self.inflight) + len(self._pending) >= self.config.max_p_inflight:

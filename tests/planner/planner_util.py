@@ -80,12 +80,13 @@ def make_scheduler(
 _ids = itertools.count()
 
 
-def make_request(num_prompt_tokens: int, max_tokens: int = 8, req_id: str | None = None) -> Request:
+def make_request(num_prompt_tokens: int, max_tokens: int = 8, req_id: str | None = None,
+                 **sampling: Any) -> Request:
     rid = req_id or f"r{next(_ids)}"
     return Request(
         request_id=rid,
         prompt_token_ids=[(i % 50) + 1 for i in range(num_prompt_tokens)],
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
         pooling_params=None,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from planner_util import free_blocks, make_request, make_scheduler, step
 from vllm.v1.request import RequestStatus
 
@@ -14,6 +15,19 @@ def test_short_prompt_goes_inline_with_no_p_job(tiny_model: str) -> None:
     s.add_request(r)
     out = s.schedule()
     assert out.num_scheduled_tokens == {r.request_id: 40}
+    assert r.status == RequestStatus.RUNNING
+    assert out.kv_connector_metadata.new_jobs == []
+
+
+@pytest.mark.parametrize("sampling", [{"prompt_logprobs": 1},
+                                      {"skip_reading_prefix_cache": True}])
+def test_long_prompt_that_needs_d_forward_goes_inline(tiny_model: str, sampling: dict) -> None:
+    """The lane's P returns no prompt logits and reads no cache it was told to skip."""
+    s = make_scheduler(tiny_model, lane=LANE)
+    r = make_request(100, **sampling)
+    s.add_request(r)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {r.request_id: 100}
     assert r.status == RequestStatus.RUNNING
     assert out.kv_connector_metadata.new_jobs == []
 

@@ -47,6 +47,11 @@ class AInferPDExecutor(MultiprocExecutor):
             raise ConfigError(
                 f"ainfer_pd chooses its own worker; got worker_cls={parallel.worker_cls!r}"
             )
+        if config.p_lane_enabled and vllm_config.lora_config is not None:
+            # LoRA layers read the adapter mapping vLLM sets for D's batch; P's forward, on its
+            # own thread and batch, would apply it to the wrong tokens.
+            raise ConfigError("ainfer_pd mode='pd' does not run LoRA adapters (--enable-lora): "
+                              "the P lane's forward has no adapter mapping; use mode='normal'")
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls
         if scheduler_cls not in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
             raise ConfigError(
