@@ -32,6 +32,21 @@ def test_long_prompt_that_needs_d_forward_goes_inline(tiny_model: str, sampling:
     assert out.kv_connector_metadata.new_jobs == []
 
 
+def test_long_prompt_given_as_embeddings_goes_inline(tiny_model: str) -> None:
+    """The lane's P embeds token ids; a prompt given as embeddings has none."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    s = make_scheduler(tiny_model, lane=LANE)
+    r = Request(request_id="embeds", prompt_token_ids=None, pooling_params=None,
+                sampling_params=SamplingParams(max_tokens=4), prompt_embeds=torch.zeros(100, 128))
+    s.add_request(r)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"embeds": 100}
+    assert out.kv_connector_metadata.new_jobs == []
+
+
 def test_long_prompt_is_parked_with_blocks_reserved_and_no_token_budget(tiny_model: str) -> None:
     s = make_scheduler(tiny_model, lane=LANE)
     initial = free_blocks(s)
