@@ -122,6 +122,16 @@ def _seeded_samples(runner: ServerRunner, prompt: list[int]) -> list[list[int]]:
     return [list(c.token_ids) for c in sorted(r.choices, key=lambda c: c.index)]
 
 
+REGEX = "[a-z]{3}-[0-9]{4}"
+
+
+def _constrained(runner: ServerRunner, prompt: list[int]) -> str:
+    r = runner.client().completions.create(
+        model=runner.model, prompt=prompt, max_tokens=12, temperature=0.0,
+        extra_body={"structured_outputs": {"regex": REGEX}})
+    return r.choices[0].text
+
+
 def _jobs_done(url: str, model: str) -> float:
     return sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0)
                for r in settled_rank_metrics(url, model, 1).values())
@@ -156,11 +166,16 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
             assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine), (mine, theirs)
     assert _jobs_done(srv.url, tiny_model) == jobs_before
 
-    # Seeded random sampling with n > 1 through the lane: the same samples as stock.
+    # Seeded random sampling with n > 1, and output constrained by a regex (the grammar applies
+    # from the promoted request's first token), through the lane: the same outputs as stock.
     sampled = _fresh_prompts(2, (60, 120))
     assert [_seeded_samples(ours, p) for p in sampled] == \
         [_seeded_samples(stock_runner, p) for p in sampled]
-    assert _jobs_done(srv.url, tiny_model) >= jobs_before + 2 * 3
+    constrained = _fresh_prompts(3, (70, 110))
+    ours_constrained = [_constrained(ours, p) for p in constrained]
+    assert ours_constrained == [_constrained(stock_runner, p) for p in constrained]
+    assert all(ours_constrained), ours_constrained
+    assert _jobs_done(srv.url, tiny_model) >= jobs_before + 2 * 3 + 2
 
 
 def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
