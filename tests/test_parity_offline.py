@@ -137,3 +137,29 @@ def test_offline_tp2_matches_stock_tp2(tiny_model):
         report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
     print(report)
     assert report.fail == 0, report
+
+
+def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
+    """The RL loop: rollout, the trainer pushes new weights through a worker extension
+    (`collective_rpc`), the prefix cache is reset, rollout again. The extension mixes into our
+    worker as into stock's; the lane's P runs the updated weights (the outputs change, and equal
+    stock's after the same update)."""
+    ext = {"worker_extension_cls": "vllm_ainfer_pd.testing.weight_update.WeightUpdate"}
+    with offline_llm(tiny_model, 1, **ext) as stock, \
+            offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=LANE_ON,
+                        **ext) as ours:
+        rollouts = {}
+        for step in ("before", "after"):
+            if step == "after":
+                checksums = [r.llm.collective_rpc("perturb_weights", args=(5,))
+                             for r in (stock, ours)]
+                assert checksums[0] == checksums[1], checksums
+                assert stock.llm.reset_prefix_cache() and ours.llm.reset_prefix_cache()
+            stock_out, ours_out = (run_waves(r, WAVES, MAX_TOKENS) for r in (stock, ours))
+            report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+            print(step, report)
+            assert report.fail == 0, (step, report)
+            rollouts[step] = (stock_out, ours.worker_status()[0]["p_lane"]["jobs_done"])
+    (before, jobs_before), (after, jobs_after) = rollouts["before"], rollouts["after"]
+    assert sum(a != b for a, b in zip(before, after)) >= len(PROMPTS) // 2  # the update took
+    assert jobs_before >= 8 and jobs_after - jobs_before >= 8  # both rollouts used the lane
