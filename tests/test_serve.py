@@ -114,12 +114,14 @@ def _fresh_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
 
 
-def _seeded_samples(runner: ServerRunner, prompt: list[int]) -> list[list[int]]:
-    """n=3 random samples with a request seed (an RL rollout's request shape)."""
+def _seeded_samples(runner: ServerRunner, prompt: list[int]):
+    """n=3 random samples with a request seed and the sampled tokens' logprobs (an RL rollout's
+    request shape: the trainer reuses those logprobs); [(token ids, logprobs)] per sample."""
     r = runner.client().completions.create(
         model=runner.model, prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=7,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
-    return [list(c.token_ids) for c in sorted(r.choices, key=lambda c: c.index)]
+        logprobs=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    return [(list(c.token_ids), c.logprobs.token_logprobs)
+            for c in sorted(r.choices, key=lambda c: c.index)]
 
 
 REGEX = "[a-z]{3}-[0-9]{4}"
@@ -168,9 +170,13 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
 
     # Seeded random sampling with n > 1, and output constrained by a regex (the grammar applies
     # from the promoted request's first token), through the lane: the same outputs as stock.
-    sampled = _fresh_prompts(2, (60, 120))
-    assert [_seeded_samples(ours, p) for p in sampled] == \
-        [_seeded_samples(stock_runner, p) for p in sampled]
+    for prompt in _fresh_prompts(2, (60, 120)):
+        mine, theirs = _seeded_samples(ours, prompt), _seeded_samples(stock_runner, prompt)
+        assert [ids for ids, _ in mine] == [ids for ids, _ in theirs]
+        for (_, my_logprobs), (_, their_logprobs) in zip(mine, theirs):
+            assert len(my_logprobs) == 8
+            assert all(abs(a - b) < 1e-4 for a, b in zip(my_logprobs, their_logprobs)), \
+                (my_logprobs, their_logprobs)
     constrained = _fresh_prompts(3, (70, 110))
     ours_constrained = [_constrained(ours, p) for p in constrained]
     assert ours_constrained == [_constrained(stock_runner, p) for p in constrained]
