@@ -134,8 +134,8 @@ def _constrained(runner: ServerRunner, prompt: list[int]) -> str:
     return r.choices[0].text
 
 
-def _jobs_done(url: str, model: str) -> float:
-    return sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0)
+def _lane_total(url: str, model: str, counter: str = "p_jobs_done") -> float:
+    return sum(r.get(f"vllm_ainfer_pd_{counter}_total", 0)
                for r in settled_rank_metrics(url, model, 1).values())
 
 
@@ -157,7 +157,7 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     # Prompt logprobs need the logits of every prompt position, which the lane's P does not
     # compute: such prompts run inline (before, their garbage prompt logprobs crashed the
     # server's output processor), with stock's values.
-    jobs_before = _jobs_done(srv.url, tiny_model)
+    jobs_before = _lane_total(srv.url, tiny_model)
     scored = _fresh_prompts(1, (40, 90, 150))
     ours_scores, stock_scores = ours.teacher_force(scored), stock_runner.teacher_force(scored)
     assert [len(s) for s in ours_scores] == [len(p) for p in scored]
@@ -166,22 +166,28 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
         for mine, theirs in zip(ours_seq[1:], stock_seq[1:]):
             assert mine.keys() == theirs.keys()
             assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine), (mine, theirs)
-    assert _jobs_done(srv.url, tiny_model) == jobs_before
+    assert _lane_total(srv.url, tiny_model) == jobs_before
 
     # Seeded random sampling with n > 1, and output constrained by a regex (the grammar applies
     # from the promoted request's first token), through the lane: the same outputs as stock.
-    for prompt in _fresh_prompts(2, (60, 120)):
+    # The 300-token prompt's 3 samples share 2 full KV blocks (block size 128 on CPU): one sample
+    # prefills 299 tokens in the lane, the others wait for those blocks and then prefill only
+    # their last 43 tokens (before, each prefilled all 299); the 60-token prompt has no full
+    # block to share (3 x 59).
+    p_tokens_before = _lane_total(srv.url, tiny_model, "p_tokens")
+    for prompt in _fresh_prompts(2, (60, 300)):
         mine, theirs = _seeded_samples(ours, prompt), _seeded_samples(stock_runner, prompt)
         assert [ids for ids, _ in mine] == [ids for ids, _ in theirs]
         for (_, my_logprobs), (_, their_logprobs) in zip(mine, theirs):
             assert len(my_logprobs) == 8
             assert all(abs(a - b) < 1e-4 for a, b in zip(my_logprobs, their_logprobs)), \
                 (my_logprobs, their_logprobs)
+    assert _lane_total(srv.url, tiny_model, "p_tokens") - p_tokens_before == 3 * 59 + 299 + 2 * 43
     constrained = _fresh_prompts(3, (70, 110))
     ours_constrained = [_constrained(ours, p) for p in constrained]
     assert ours_constrained == [_constrained(stock_runner, p) for p in constrained]
     assert all(ours_constrained), ours_constrained
-    assert _jobs_done(srv.url, tiny_model) >= jobs_before + 2 * 3 + 2
+    assert _lane_total(srv.url, tiny_model) >= jobs_before + 2 * 3 + 2
 
 
 def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):

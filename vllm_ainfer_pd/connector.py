@@ -104,10 +104,12 @@ class AInferPDConnector(KVConnectorBase_V1):
       `p_lane_min_tokens` uncached tokens, its P already failed in the lane (it recomputes
       inline, so a broken worker cannot loop a request forever), or it needs what only D's own
       forward gives (`needs_inline_prefill`);
-    - wait (`(None, False)`, asked again next step; later prompts may still go): the lane is full
-      (`max_p_inflight` jobs, P pressure), or reserving the prompt's blocks would leave fewer free
-      blocks than running D rows (D occupancy: each running row keeps one block of headroom to
-      grow, so a parked P, which vLLM cannot preempt, does not force D's preemption);
+    - wait (`(None, False)`, asked again next step; later prompts may still go): another
+      prompt's P is writing this prompt's next uncached block (`_prefix_being_written`), the
+      lane is full (`max_p_inflight` jobs, P pressure), or reserving the prompt's blocks would
+      leave fewer free blocks than running D rows (D occupancy: each running row keeps one block
+      of headroom to grow, so a parked P, which vLLM cannot preempt, does not force D's
+      preemption);
     - background (`(num_tokens - 1 - local, True)`): otherwise. vLLM's `allocate_slots(...,
       reserved_blocks=...)` then admits it only if it fits beside in-flight reservations.
     """
@@ -121,6 +123,9 @@ class AInferPDConnector(KVConnectorBase_V1):
         self.inflight: dict[str, PJob] = {}  # req id -> its job in flight (one at most)
         self.lifetimes: dict[str, int] = {}  # req id -> lifetime of its next job
         self.failed: set[str] = set()  # req ids whose P failed: they recompute inline
+        # req id -> hashes of the full prompt blocks its P writes (admitted this step or in
+        # flight): a prompt whose next uncached block is among them waits for those blocks.
+        self._writing: dict[str, frozenset] = {}
         self.d_state = DState()
         self._new_jobs: list[PJob] = []
         self._cancelled: list[JobKey] = []
@@ -144,6 +149,8 @@ class AInferPDConnector(KVConnectorBase_V1):
             or needs_inline_prefill(request)
         ):
             return False
+        if self._prefix_being_written(request, num_local_computed):
+            return None
         if len(self.inflight) + len(self._pending) >= self.config.max_p_inflight:
             return None
         need = self._blocks_for(request.num_tokens)  # includes the promoted last token's slot
@@ -153,7 +160,21 @@ class AInferPDConnector(KVConnectorBase_V1):
             return None
         self._pending[request.request_id] = need
         self._step_blocks += need
+        self._writing[request.request_id] = frozenset(
+            request.block_hashes[num_local_computed // self.block_size:])
         return True
+
+    def _prefix_being_written(self, request: Request, num_local_computed: int) -> bool:
+        """Whether another prompt's P is writing this prompt's next uncached block (the same
+        prefix: block hashes chain over all earlier tokens), e.g. the samples of an `n > 1`
+        request. It waits for those blocks to be cached and then computes only the rest, as in
+        stock vLLM, where a prompt admitted in the same step hits the blocks its sibling
+        computes; taking the lane at once would prefill the shared prefix once per sample."""
+        first = num_local_computed // self.block_size
+        if first >= len(request.block_hashes):
+            return False
+        block = request.block_hashes[first]
+        return any(block in written for written in self._writing.values())
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -193,6 +214,7 @@ class AInferPDConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PLaneMetadata:
         # A request admitted but not allocated (allocate_slots refused it) is retried next step.
         self._pending.clear()
+        self._writing = {r: w for r, w in self._writing.items() if r in self.inflight}
         self._step_blocks = 0
         meta = PLaneMetadata(new_jobs=self._new_jobs, cancelled=self._cancelled)
         self._new_jobs, self._cancelled = [], []
@@ -219,6 +241,7 @@ class AInferPDConnector(KVConnectorBase_V1):
     def job_done(self, req_id: str, failed: bool = False) -> None:
         """The worker reported the job of `req_id` drained (completed, cancelled or failed)."""
         self.inflight.pop(req_id, None)
+        self._writing.pop(req_id, None)
         if failed:
             self.failed.add(req_id)
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -34,6 +36,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 256,
     failure_policy: str = "recompute",
     cls: type[Scheduler] = AInferPDScheduler,
+    prefix_caching: bool = False,
 ) -> AInferPDScheduler:
     """A real scheduler; `lane` are ainfer_pd options for the connector (None: defaults)."""
     register_connector()
@@ -45,7 +48,7 @@ def make_scheduler(
         kv_transfer = KVTransferConfig(**raw)
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32", seed=0),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -78,16 +81,20 @@ def make_scheduler(
 
 
 _ids = itertools.count()
+init_none_hash(sha256)  # once: the root of every block hash chain (random per call)
 
 
 def make_request(num_prompt_tokens: int, max_tokens: int = 8, req_id: str | None = None,
-                 **sampling: Any) -> Request:
+                 hashed: bool = False, **sampling: Any) -> Request:
+    """`hashed`: with the block hashes EngineCore gives requests when prefix caching is on."""
     rid = req_id or f"r{next(_ids)}"
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256) if hashed else None
     return Request(
         request_id=rid,
         prompt_token_ids=[(i % 50) + 1 for i in range(num_prompt_tokens)],
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
         pooling_params=None,
+        block_hasher=hasher,
     )
 
 

@@ -164,3 +164,40 @@ def test_abort_after_the_drain_report_but_before_promotion_frees_at_once(tiny_mo
     out = step(s)
     assert out.kv_connector_metadata.cancelled == []  # nothing left for the worker to drain
     assert p.request_id not in s.requests
+
+
+def test_samples_of_one_prompt_prefill_it_once(tiny_model: str) -> None:
+    """Two samples of one prompt (`n=2`): the first takes the lane, the second waits while that
+    P writes the prefix they share, then hits the cached blocks and computes only the rest
+    inline (as in stock vLLM, where the second sample hits the blocks the first computes in the
+    same step)."""
+    s = make_scheduler(tiny_model, lane=LANE, prefix_caching=True)
+    first, second = (make_request(100, max_tokens=2, req_id=r, hashed=True) for r in "ab")
+    s.add_request(first)
+    s.add_request(second)
+    out = step(s)
+    assert [job.req_id for job in out.kv_connector_metadata.new_jobs] == ["a"]
+    assert out.num_scheduled_tokens == {}  # "b" waits; it is not prefilled a second time
+    assert second.status == RequestStatus.WAITING
+    out = step(s)  # P still running: "b" still waits
+    assert out.num_scheduled_tokens == {} and out.kv_connector_metadata.new_jobs == []
+    step(s, finished_recving={"a"})
+    out = step(s)  # "a" promoted; "b" hits its 6 cached blocks (96 tokens)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert out.kv_connector_metadata.new_jobs == []
+    assert s.p_lane._writing == {}
+
+
+def test_a_failed_p_releases_the_samples_waiting_on_its_prefix(tiny_model: str) -> None:
+    s = make_scheduler(tiny_model, lane=LANE, prefix_caching=True)
+    first, second = (make_request(100, max_tokens=2, req_id=r, hashed=True) for r in "ab")
+    s.add_request(first)
+    s.add_request(second)
+    step(s)
+    blocks = set(s.kv_cache_manager.get_block_ids("a")[0])
+    step(s, finished_recving={"a"}, invalid_block_ids=blocks)  # "a"'s P failed
+    out = step(s)
+    # "a" recomputes inline, and "b" no longer waits: it hits the blocks "a" computes in this
+    # same step (vLLM caches an inline prefill's blocks when it allocates them), as in stock.
+    assert out.num_scheduled_tokens == {"a": 100, "b": 4}
+    assert out.kv_connector_metadata.new_jobs == [] and s.p_lane._writing == {}
