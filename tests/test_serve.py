@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import time
-import urllib.request
 
 import pytest
 
@@ -54,13 +53,10 @@ def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 
     One short inline request per DP rank (routed by vLLM's `X-data-parallel-rank` header; too
     short for the P lane) gives each rank that forward; then wait for the frontend to record it.
     """
+    client = ServerRunner(url, model).client()
     for dp_rank in range(dp_size):
-        body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
-        request = urllib.request.Request(
-            url.rstrip("/") + "/v1/completions", data=body, method="POST",
-            headers={"Content-Type": "application/json", "X-data-parallel-rank": str(dp_rank)})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            assert response.status == 200
+        client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=2,
+                                  extra_headers={"X-data-parallel-rank": str(dp_rank)})
     deadline = time.monotonic() + timeout_s
     previous = None
     while True:
