@@ -20,6 +20,8 @@
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
 #              stock, normal, pd, pd_genq, pd_whole; output bench2dp_$BENCH2DP_TAG (default a)
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
+#   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
+#              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
@@ -122,6 +124,9 @@ for job in "$@"; do
     bench1b) compare bench1b 0 --variant "$V_PD" --variant "$V_PD_HANDOFF" --only pd,pd_handoff ;;
     bench1c) compare bench1c 0 --variant "$V_GENQ" --variant "$V_GCOMP" --only ${BENCH1C_ONLY:-pd_genq,pd_gcomp} ;;
     bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
+    bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
+               --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
+               --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
