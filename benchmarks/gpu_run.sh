@@ -14,6 +14,9 @@
 #   bench1a bench1b bench1c   one GPU, one call each (a call runs at most 10 min): stock+normal,
 #              pd+pd_handoff, pd_genq+pd_gcomp (the ladder); merged afterwards with `rollout merge`
 #   decode1    decode-only overhead, tiny model: pd (no P) vs normal vs stock side by side
+#   decodeg    decode-only overhead on the gpu preset through `vllm serve` (device-bound steps):
+#              64 one-turn requests, 16-token prompts (no lane work), 1,024 tokens each, no waits;
+#              backends $DECODEG_ONLY (default stock,normal,pd), output decodeg_$DECODEG_TAG
 #   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
@@ -131,6 +134,17 @@ for job in "$@"; do
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
              echo "== decode1: rc=$?" ;;
+    decodeg) python3 -c 'import json
+print(json.dumps({"meta": {"preset": "decode-only"}}))
+for i in range(64):
+    print(json.dumps({"id": f"d{i}", "turns": [{"input_tokens": 16, "output_tokens": 1024}]}))' \
+               > /tmp/decode-only.jsonl
+             CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 90 $T python3 -m vllm_ainfer_pd.rollout compare \
+               --platform gpu --model .gpu/gpu-model --trace /tmp/decode-only.jsonl --reps 3 \
+               --no-progress --variant "$V_NORMAL" --variant "$V_PD" \
+               --only ${DECODEG_ONLY:-stock,normal,pd} --out $OUT/decodeg_${DECODEG_TAG:-a} \
+               > /tmp/gpu-logs/decodeg.log 2>&1
+             echo "== decodeg: rc=$?" ;;
     tp2dp2bi) VLLM_BATCH_INVARIANT=1 parity tp2dp2_ep_bfloat16_bi 0,1,2,3 --model .gpu/tiny --tp 2 \
                 --dp 2 --dtype bfloat16 --additional-config "$LANE" \
                 --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
