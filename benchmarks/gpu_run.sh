@@ -21,7 +21,7 @@
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
-#              stock, normal, pd, pd_genq, pd_whole; output bench2dp_$BENCH2DP_TAG (default a)
+#              stock, normal, pd, pd_genq, pd_whole, pd_work; output bench2dp_$BENCH2DP_TAG (default a)
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
@@ -71,6 +71,8 @@ ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wai
 V_NORMAL='normal={"ainfer_pd": {"mode": "normal"}}'
 V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
 V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
+# K from the epoch's size (about 1/8 of a full-budget forward per round): TTFT of short lane prompts.
+V_PD_WORK='pd_work={"ainfer_pd": {"segment_policy": "work", "overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
 # Fine ordering, one segment per epoch (K past the last boundary): TTFT against D's protection.
@@ -129,7 +131,7 @@ for job in "$@"; do
     bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
-               --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+               --variant "$V_PD_WORK" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
@@ -152,7 +154,7 @@ for i in range(64):
               --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
     bench2dp) compare bench2dp_${BENCH2DP_TAG:-a} 0,1 --dp 2 --enable-expert-parallel \
                 --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" --variant "$V_PD_WHOLE" \
-                --only ${BENCH2DP_ONLY:-stock,normal} ;;
+                --variant "$V_PD_WORK" --only ${BENCH2DP_ONLY:-stock,normal} ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;
     *) echo "unknown job $job" ;;

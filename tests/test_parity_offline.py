@@ -52,12 +52,12 @@ def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
     assert report.exact + report.tie == len(PROMPTS)
 
 
-def tp1_lane_matches_stock(stock_tp1, model: str, lane: dict) -> list[dict]:
-    """Our TP=1 engine with these lane options and a 48-token step budget: the waves' tokens
-    equal stock's (by the tie rule) and the lane ran; returns every rank's status."""
+def tp1_lane_matches_stock(stock_tp1, model: str, lane: dict, budget: int = 48) -> list[dict]:
+    """Our TP=1 engine with these lane options and step budget (48 tokens unless given): the
+    waves' tokens equal stock's (by the tie rule) and the lane ran; returns every rank's status."""
     stock, stock_out = stock_tp1
     with offline_llm(model, 1, backend="ainfer_pd", additional_config={"ainfer_pd": lane},
-                     max_num_batched_tokens=48) as ours:
+                     max_num_batched_tokens=budget) as ours:
         ours_out = run_waves(ours, WAVES, MAX_TOKENS)
         status = ours.worker_status()
     report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
@@ -90,6 +90,18 @@ def test_offline_tp1_fine_with_load_selected_span_matches_stock(stock_tp1, tiny_
         "p_lane_min_tokens": 32, "segment_policy": "load", "p_host": "concurrent"})
     lane_stats = status[0]["p_lane"]
     assert lane_stats["epochs"] < lane_stats["segments"] < 5 * lane_stats["epochs"], lane_stats
+
+
+def test_offline_tp1_fine_with_work_per_round_span_releases_short_epochs_whole(
+        stock_tp1, tiny_model):
+    """`segment_policy="work"` sizes K by the epoch: with an 8192-token step budget, no epoch of
+    these waves (at most 4 jobs of <= 230 tokens) holds more than 1/8 of a full-budget forward
+    over the model's 5 boundaries, so every epoch is one release (K=1 would take 5, and `load`
+    gives such small epochs K=1 too), with the same tokens."""
+    status = tp1_lane_matches_stock(stock_tp1, tiny_model, {
+        "p_lane_min_tokens": 32, "segment_policy": "work", "p_host": "concurrent"}, budget=8192)
+    lane_stats = status[0]["p_lane"]
+    assert lane_stats["segments"] == lane_stats["epochs"] > 0, lane_stats
 
 
 def test_offline_tp1_fine_with_a_span_past_the_last_boundary_runs_one_segment_per_epoch(

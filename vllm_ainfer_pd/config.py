@@ -12,7 +12,7 @@ from typing import Any
 
 MODES = ("pd", "normal")
 ORDERINGS = ("fine", "global-enqueue", "global-complete")
-SEGMENT_POLICIES = ("fixed", "load")
+SEGMENT_POLICIES = ("fixed", "load", "work")
 RENDEZVOUS = ("shm", "gloo")
 P_HOSTS = ("auto", "concurrent", "handoff")
 

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ainfer_pd.turnstile import FixedSpan, Load, LoadSelectedSpan, make_policy
+from vllm_ainfer_pd.turnstile import (
+    FixedSpan,
+    Load,
+    LoadSelectedSpan,
+    WorkPerRoundSpan,
+    make_policy,
+)
 
 occupancy = st.floats(0.0, 1.0)
 pressure = st.floats(0.0, 50.0)
@@ -83,6 +89,8 @@ def test_load_selected_span_rejects_bad_settings_by_value(kwargs, message):
     ({"d_occupancy": -0.1}, "got -0.1"),
     ({"p_pressure": -3.0}, "p_pressure must be finite and >= 0, got -3.0"),
     ({"p_pressure": math.inf}, "p_pressure must be a finite number, got inf"),
+    ({"epoch_size": -0.5}, "epoch_size must be finite and >= 0, got -0.5"),
+    ({"epoch_size": math.nan}, "epoch_size must be a finite number, got nan"),
     ({"d_occupancy": "full"}, "got 'full'"),
 ])
 def test_load_rejects_bad_figures_by_value(kwargs, message):
@@ -98,5 +106,61 @@ def test_load_selected_span_needs_a_load():
 def test_make_policy_names_the_unknown_kind():
     assert make_policy("fixed", k=2) == FixedSpan(2)
     assert make_policy("load", spans=(2, 1)).spans == (1, 2)
+    assert make_policy("work", spans=(4, 1)) == WorkPerRoundSpan((1, 4))
     with pytest.raises(ValueError, match="'adaptive'"):
         make_policy("adaptive")
+
+
+# ---- WorkPerRoundSpan: about the same P work per round, whatever the epoch's size ----------------
+
+WORK_SPANS = (1, 2, 4, 8, 16, 25)  # load_spans(25): a 24-layer model's boundaries
+epoch_size = st.floats(0.0, 4.0)
+
+
+def test_work_span_cuts_a_full_epoch_into_about_one_over_share_segments():
+    policy = WorkPerRoundSpan(WORK_SPANS, share=0.125)
+    # 0.125 x 25 boundaries = 3.1 full-epoch boundaries per round: K = 2 (13 segments).
+    assert policy.span(Load(d_occupancy=0.1, epoch_size=1.0)) == 2
+    assert policy.span(Load(d_occupancy=0.1, epoch_size=0.5)) == 4
+    # A short continuation prompt's epoch goes in one release.
+    assert policy.span(Load(d_occupancy=0.1, epoch_size=0.1)) == 25
+
+
+def test_work_span_runs_the_whole_forward_when_d_has_no_rows():
+    assert WorkPerRoundSpan(WORK_SPANS).span(Load(d_occupancy=0.0, epoch_size=1.0)) == 25
+
+
+def test_work_span_falls_back_to_the_smallest_span_for_a_huge_epoch():
+    assert WorkPerRoundSpan(WORK_SPANS).span(Load(d_occupancy=0.5, epoch_size=40.0)) == 1
+
+
+@given(d=occupancy, e1=epoch_size, e2=epoch_size)
+def test_work_span_never_grows_with_the_epoch_size(d, e1, e2):
+    policy = WorkPerRoundSpan(WORK_SPANS)
+    lo, hi = sorted((e1, e2))
+    assert policy.span(Load(d, epoch_size=hi)) <= policy.span(Load(d, epoch_size=lo))
+
+
+@given(d=st.floats(0.001, 1.0), e=st.floats(0.001, 4.0))
+def test_work_span_releases_at_most_its_share_unless_only_the_smallest_span_is_left(d, e):
+    policy = WorkPerRoundSpan(WORK_SPANS, share=0.25)
+    k = policy.span(Load(d, epoch_size=e))
+    assert k in WORK_SPANS
+    assert k == WORK_SPANS[0] or k * e <= 0.25 * WORK_SPANS[-1]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"spans": ()}, "at least one span"),
+    ({"spans": (1, 1)}, "distinct"),
+    ({"share": 0.0}, r"share must be in \(0, 1\], got 0.0"),
+    ({"share": 1.5}, "got 1.5"),
+    ({"share": math.inf}, "share must be a finite number, got inf"),
+])
+def test_work_span_rejects_bad_settings_by_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WorkPerRoundSpan(**kwargs)
+
+
+def test_work_span_needs_a_load():
+    with pytest.raises(ValueError, match="WorkPerRoundSpan needs a Load"):
+        WorkPerRoundSpan().span(None)

@@ -34,6 +34,7 @@ from vllm_ainfer_pd.turnstile.policy import (
     Load,
     LoadSelectedSpan,
     SegmentPolicy,
+    WorkPerRoundSpan,
     make_policy,
 )
 from vllm_ainfer_pd.turnstile.rendezvous import (
@@ -53,6 +54,7 @@ __all__ = [
     "GlooRendezvous",
     "Load",
     "LoadSelectedSpan",
+    "WorkPerRoundSpan",
     "MissingProducerError",
     "NonMonotoneBoundaryError",
     "NullRendezvous",

@@ -24,18 +24,24 @@ class Load:
     `d_occupancy`: fraction of D batch slots in use, in [0, 1].
     `p_pressure`: queued P work relative to its budget (e.g. queued P tokens / P token budget),
     finite and >= 0; 1.0 means one full budget is waiting.
+    `epoch_size`: the P epoch this round releases (the open one, or the one about to open), in
+    the same unit: its prompt tokens / the step's token budget, finite and >= 0.
     """
 
     d_occupancy: float = 0.0
     p_pressure: float = 0.0
+    epoch_size: float = 0.0
 
     def __post_init__(self) -> None:
         _check_real("d_occupancy", self.d_occupancy)
         _check_real("p_pressure", self.p_pressure)
+        _check_real("epoch_size", self.epoch_size)
         if not 0.0 <= self.d_occupancy <= 1.0:
             raise ValueError(f"d_occupancy must be in [0, 1], got {self.d_occupancy!r}")
         if self.p_pressure < 0.0:
             raise ValueError(f"p_pressure must be finite and >= 0, got {self.p_pressure!r}")
+        if self.epoch_size < 0.0:
+            raise ValueError(f"epoch_size must be finite and >= 0, got {self.epoch_size!r}")
 
 
 class SegmentPolicy(abc.ABC):
@@ -83,22 +89,13 @@ class LoadSelectedSpan(SegmentPolicy):
     p_high: float = 1.0
 
     def __post_init__(self) -> None:
-        spans = tuple(self.spans)
-        if not spans:
-            raise ValueError("spans must name at least one span, got an empty sequence")
-        for s in spans:
-            validate_span(s, what="each span")
-            if math.isinf(s):
-                raise ValueError(f"each span must be finite, got {s!r}")
-        if len(set(spans)) != len(spans):
-            raise ValueError(f"spans must be distinct, got {spans!r}")
+        object.__setattr__(self, "spans", _validated_spans(self.spans))
         _check_real("d_high", self.d_high)
         _check_real("p_high", self.p_high)
         if not 0.0 < self.d_high <= 1.0:
             raise ValueError(f"d_high must be in (0, 1], got {self.d_high!r}")
         if not self.p_high > 0.0:
             raise ValueError(f"p_high must be > 0, got {self.p_high!r}")
-        object.__setattr__(self, "spans", tuple(sorted(spans)))
 
     def span(self, load: Load | None = None) -> int:
         if load is None:
@@ -110,13 +107,62 @@ class LoadSelectedSpan(SegmentPolicy):
         return spans[int(score * (len(spans) - 1) + 0.5)]
 
 
+@dataclass(frozen=True)
+class WorkPerRoundSpan(SegmentPolicy):
+    """Pick K so that each round releases about the same P work, whatever the epoch's size.
+
+    A round's segment of an epoch of size `e` (in step budgets) spanning K of the W boundaries of
+    a whole forward (`W = max(spans)`) holds about `K / W * e` of a full-budget forward. K is the
+    largest span with `K * e <= share * W` (at least the smallest span), so a full epoch is cut
+    into about `1 / share` segments and a small one goes in one or two. With no D rows
+    (`d_occupancy == 0`) there is nothing to protect and K is the whole forward.
+
+    Why not `LoadSelectedSpan`'s rule for this: there, K rises with P pressure, so a small epoch
+    (a short continuation prompt) gets the smallest K and waits one D iteration per boundary
+    span, although its segments are too small to delay D. K never increases with the epoch size.
+    """
+
+    spans: Sequence[int] = (1, 2, 4)
+    share: float = 0.125
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spans", _validated_spans(self.spans))
+        _check_real("share", self.share)
+        if not 0.0 < self.share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {self.share!r}")
+
+    def span(self, load: Load | None = None) -> int:
+        if load is None:
+            raise ValueError("WorkPerRoundSpan needs a Load, got None")
+        whole = self.spans[-1]
+        if load.d_occupancy == 0.0:
+            return whole
+        fitting = [s for s in self.spans if s * load.epoch_size <= self.share * whole]
+        return fitting[-1] if fitting else self.spans[0]
+
+
 def make_policy(kind: str, *, k: int = 1, spans: Sequence[int] = (1, 2, 4)) -> SegmentPolicy:
-    """`kind` is "fixed" (uses `k`) or "load" (uses `spans`)."""
+    """`kind` is "fixed" (uses `k`), "load" or "work" (use `spans`)."""
     if kind == "fixed":
         return FixedSpan(k)
     if kind == "load":
         return LoadSelectedSpan(tuple(spans))
-    raise ValueError(f"unknown segment policy {kind!r}; choose 'fixed' or 'load'")
+    if kind == "work":
+        return WorkPerRoundSpan(tuple(spans))
+    raise ValueError(f"unknown segment policy {kind!r}; choose 'fixed', 'load' or 'work'")
+
+
+def _validated_spans(spans: Sequence[int]) -> tuple[int, ...]:
+    spans = tuple(spans)
+    if not spans:
+        raise ValueError("spans must name at least one span, got an empty sequence")
+    for s in spans:
+        validate_span(s, what="each span")
+        if math.isinf(s):
+            raise ValueError(f"each span must be finite, got {s!r}")
+    if len(set(spans)) != len(spans):
+        raise ValueError(f"spans must be distinct, got {spans!r}")
+    return tuple(sorted(spans))
 
 
 def _check_real(name: str, value: object) -> None:

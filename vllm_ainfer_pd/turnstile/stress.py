@@ -52,7 +52,7 @@ class StressConfig:
     max_skew_ms: float = 20.0
     rendezvous: str = "shm"  # "shm" or "gloo"
     mode: str = "fine"
-    policy: str = "load"  # "fixed" (span K) or "load" (spans 1, 2, 4)
+    policy: str = "load"  # "fixed" (span K), "load" or "work" (spans 1, 2, 4)
     span: int = 2
     p_work_ms: float = 0.0  # mean emulated device time per P op; 0: 2 x max(max skew, 0.5 ms)
     timeout_s: float = 60.0
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rendezvous", choices=("shm", "gloo"), default=StressConfig.rendezvous)
     ap.add_argument("--mode", choices=[m.value for m in OrderingMode], default="fine")
-    ap.add_argument("--policy", choices=("fixed", "load"), default=StressConfig.policy)
+    ap.add_argument("--policy", choices=("fixed", "load", "work"), default=StressConfig.policy)
     ap.add_argument("--span", type=int, default=StressConfig.span)
     ap.add_argument("--progress-every", type=int, default=None,
                     help="cycles between progress lines (default: cycles / 8)")

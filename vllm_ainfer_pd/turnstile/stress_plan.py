@@ -55,7 +55,9 @@ def make_plan(seed: int, cycles: int, world: int, policy: SegmentPolicy,
               mode: OrderingMode, max_boundaries: int = 16) -> Plan:
     """The schedule all ranks share for `seed` (a pure function of its arguments)."""
     rng = random.Random(seed)
-    loads = [Load(rng.random(), rng.uniform(0.0, 2.0)) for _ in range(cycles)]
+    # Each round's epoch size equals its P pressure (a queue of one epoch).
+    loads = [Load(d, p, epoch_size=p)
+             for d, p in ((rng.random(), rng.uniform(0.0, 2.0)) for _ in range(cycles))]
     plan = Plan(cycles, world, loads, [mode.span(policy, ld) for ld in loads])
     plan.current = [None] * cycles
     rnd, epoch = 1 + rng.randrange(3), 0

@@ -117,16 +117,17 @@ class AInferPDWorker(_platform_worker_cls()):
         lane.after_d(None, 0)
 
     def _load(self, scheduler_output):
-        """Load for the segment policy: the step's D rows over the batch size, and P work not
-        yet issued (queued jobs and the rest of the open epoch) over the step's token budget.
-        Equal on the TP ranks of a replica; at DP > 1 the lane shares the max over ranks in its
-        rendezvous."""
+        """Load for the segment policy: the step's D rows over the batch size, P work not yet
+        issued (queued jobs and the rest of the open epoch) and the epoch this round releases,
+        both over the step's token budget. Equal on the TP ranks of a replica; at DP > 1 the lane
+        shares the max over ranks in its rendezvous."""
         from vllm_ainfer_pd.turnstile import Load
 
         rows = len(scheduler_output.num_scheduled_tokens)
         budget = self.vllm_config.scheduler_config.max_num_batched_tokens
         return Load(d_occupancy=min(rows / self._max_num_seqs, 1.0),
-                    p_pressure=self.p_lane.p_work_tokens() / budget)
+                    p_pressure=self.p_lane.p_work_tokens() / budget,
+                    epoch_size=self.p_lane.epoch_tokens() / budget)
 
     def _maybe_log_summary(self) -> None:
         now = time.monotonic()

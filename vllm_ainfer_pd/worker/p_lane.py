@@ -300,6 +300,17 @@ class PLane:
         ahead = (layers - max(epoch.reached, 0)) / layers
         return queued + ahead * sum(j.end - j.start for j in epoch.chunks)
 
+    def epoch_tokens(self) -> int:
+        """Prompt tokens of the epoch this round releases: the open one, else the next one (what
+        `_open_epoch` would take from the queue)."""
+        if self.epoch is not None:
+            return sum(j.end - j.start for j in self.epoch.chunks)
+        return self._next_epoch_tokens()
+
+    def _next_epoch_tokens(self) -> int:
+        """What `_open_epoch` takes from the queue: at most the step budget."""
+        return min(sum(j.end - j.start for j in self.pending), self.max_epoch_tokens)
+
     def workspace_bytes(self) -> int | None:
         """Bytes held by P's own workspace manager (None without one, on CPU)."""
         if self.p_workspace is None:
@@ -367,15 +378,15 @@ class PLane:
         """The post-D rendezvous of a DP round: share the tokens of each rank's next epoch and the
         load (the max over ranks, so every rank picks the same K); release the next segment if an
         epoch is open."""
-        # The tokens this rank's next epoch takes (`_open_epoch` takes at most the step budget):
-        # they become its entry in P's DP metadata, which vLLM checks against P's batch.
-        next_epoch = min(sum(j.end - j.start for j in self.pending), self.max_epoch_tokens)
-        payload = (next_epoch, round(load.d_occupancy * 1e6), round(load.p_pressure * 1e6))
+        # The tokens this rank's next epoch takes become its entry in P's DP metadata, which
+        # vLLM checks against P's batch.
+        next_epoch = self._next_epoch_tokens()
+        payload = (next_epoch, *(round(x * 1e6) for x in
+                                 (load.d_occupancy, load.p_pressure, load.epoch_size)))
         shared: list[Load] = []
 
         def shared_load(payloads: list[tuple[int, ...]]) -> Load:
-            shared.append(Load(max(p[1] for p in payloads) / 1e6,
-                               max(p[2] for p in payloads) / 1e6))
+            shared.append(Load(*(max(p[i] for p in payloads) / 1e6 for i in (1, 2, 3))))
             return shared[0]
 
         start = time.perf_counter()
