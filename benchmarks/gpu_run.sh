@@ -71,7 +71,7 @@ ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wai
 V_NORMAL='normal={"ainfer_pd": {"mode": "normal"}}'
 V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
 V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
-# K from the epoch's size (about 1/8 of a full-budget forward per round): TTFT of short lane prompts.
+# load's K, raised to up to ~1/8 of a full-budget forward per round: TTFT of short lane prompts.
 V_PD_WORK='pd_work={"ainfer_pd": {"segment_policy": "work", "overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'

@@ -111,47 +111,64 @@ def test_make_policy_names_the_unknown_kind():
         make_policy("adaptive")
 
 
-# ---- WorkPerRoundSpan: about the same P work per round, whatever the epoch's size ----------------
+# ---- WorkPerRoundSpan: the load rule's K, raised to about the same P work per round ----------
 
 WORK_SPANS = (1, 2, 4, 8, 16, 25)  # load_spans(25): a 24-layer model's boundaries
 epoch_size = st.floats(0.0, 4.0)
 
 
-def test_work_span_cuts_a_full_epoch_into_about_one_over_share_segments():
+def test_work_span_sizes_k_by_the_epoch_where_p_pressure_is_low():
     policy = WorkPerRoundSpan(WORK_SPANS, share=0.125)
-    # 0.125 x 25 boundaries = 3.1 full-epoch boundaries per round: K = 2 (13 segments).
+    # No queue: the load rule gives K=1. 0.125 x 25 boundaries = 3.1 full-epoch boundaries per
+    # round: K = 2 for a full epoch (13 segments), 4 for half of one.
     assert policy.span(Load(d_occupancy=0.1, epoch_size=1.0)) == 2
     assert policy.span(Load(d_occupancy=0.1, epoch_size=0.5)) == 4
     # A short continuation prompt's epoch goes in one release.
     assert policy.span(Load(d_occupancy=0.1, epoch_size=0.1)) == 25
 
 
+def test_work_span_keeps_the_load_rules_larger_k_for_a_deep_queue():
+    load = Load(d_occupancy=0.1, p_pressure=3.0, epoch_size=1.0)
+    assert WorkPerRoundSpan(WORK_SPANS).span(load) == LoadSelectedSpan(WORK_SPANS).span(load) == 16
+
+
 def test_work_span_runs_the_whole_forward_when_d_has_no_rows():
     assert WorkPerRoundSpan(WORK_SPANS).span(Load(d_occupancy=0.0, epoch_size=1.0)) == 25
 
 
-def test_work_span_falls_back_to_the_smallest_span_for_a_huge_epoch():
-    assert WorkPerRoundSpan(WORK_SPANS).span(Load(d_occupancy=0.5, epoch_size=40.0)) == 1
+def test_work_span_falls_back_to_the_smallest_span_for_a_huge_epoch_on_a_busy_d():
+    assert WorkPerRoundSpan(WORK_SPANS).span(Load(0.9, p_pressure=5.0, epoch_size=40.0)) == 1
 
 
-@given(d=occupancy, e1=epoch_size, e2=epoch_size)
-def test_work_span_never_grows_with_the_epoch_size(d, e1, e2):
+@given(d=occupancy, p=pressure, e1=epoch_size, e2=epoch_size)
+def test_work_span_never_grows_with_the_epoch_size(d, p, e1, e2):
     policy = WorkPerRoundSpan(WORK_SPANS)
     lo, hi = sorted((e1, e2))
-    assert policy.span(Load(d, epoch_size=hi)) <= policy.span(Load(d, epoch_size=lo))
+    assert policy.span(Load(d, p, epoch_size=hi)) <= policy.span(Load(d, p, epoch_size=lo))
 
 
-@given(d=st.floats(0.001, 1.0), e=st.floats(0.001, 4.0))
-def test_work_span_releases_at_most_its_share_unless_only_the_smallest_span_is_left(d, e):
+@given(d1=occupancy, d2=occupancy, p1=pressure, p2=pressure, e=epoch_size)
+def test_work_span_is_monotone_in_d_occupancy_and_p_pressure(d1, d2, p1, p2, e):
+    policy = WorkPerRoundSpan(WORK_SPANS)
+    (dl, dh), (pl, ph) = sorted((d1, d2)), sorted((p1, p2))
+    assert policy.span(Load(dh, pl, e)) <= policy.span(Load(dl, pl, e))
+    assert policy.span(Load(dl, pl, e)) <= policy.span(Load(dl, ph, e))
+
+
+@given(d=st.floats(0.001, 1.0), p=pressure, e=st.floats(0.001, 4.0))
+def test_work_span_is_the_load_rules_k_or_a_span_within_its_share(d, p, e):
     policy = WorkPerRoundSpan(WORK_SPANS, share=0.25)
-    k = policy.span(Load(d, epoch_size=e))
+    load = Load(d, p, epoch_size=e)
+    k = policy.span(load)
     assert k in WORK_SPANS
-    assert k == WORK_SPANS[0] or k * e <= 0.25 * WORK_SPANS[-1]
+    assert k >= LoadSelectedSpan(WORK_SPANS).span(load)
+    assert k in (WORK_SPANS[0], LoadSelectedSpan(WORK_SPANS).span(load)) or k * e <= 0.25 * 25
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"spans": ()}, "at least one span"),
     ({"spans": (1, 1)}, "distinct"),
+    ({"d_high": 0.0}, "d_high must be in"),
     ({"share": 0.0}, r"share must be in \(0, 1\], got 0.0"),
     ({"share": 1.5}, "got 1.5"),
     ({"share": math.inf}, "share must be a finite number, got inf"),

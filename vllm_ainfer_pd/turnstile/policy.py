@@ -108,25 +108,26 @@ class LoadSelectedSpan(SegmentPolicy):
 
 
 @dataclass(frozen=True)
-class WorkPerRoundSpan(SegmentPolicy):
-    """Pick K so that each round releases about the same P work, whatever the epoch's size.
+class WorkPerRoundSpan(LoadSelectedSpan):
+    """`LoadSelectedSpan`'s K, raised so that each round releases at least about `share` of a
+    full-budget forward, whatever the epoch's size.
 
-    A round's segment of an epoch of size `e` (in step budgets) spanning K of the W boundaries of
-    a whole forward (`W = max(spans)`) holds about `K / W * e` of a full-budget forward. K is the
-    largest span with `K * e <= share * W` (at least the smallest span), so a full epoch is cut
-    into about `1 / share` segments and a small one goes in one or two. With no D rows
-    (`d_occupancy == 0`) there is nothing to protect and K is the whole forward.
+    `LoadSelectedSpan` gives K from P pressure: a deep queue passes many boundaries per round, but
+    a small epoch (a short continuation prompt) has little pressure, gets the smallest K and
+    waits one D iteration per boundary span, although its segments are far too small to delay D.
+    A segment spanning K of the W boundaries of a whole forward (`W = max(spans)`) of an epoch of
+    size `e` (in step budgets) holds about `K / W * e` of a full-budget forward; the work K is the
+    largest span with `K * e <= share * W`, the whole forward when D has no rows (nothing to
+    protect). This policy's K is the larger of the two, so a short epoch goes in one or two
+    releases and the load rule still decides for the large ones.
 
-    Why not `LoadSelectedSpan`'s rule for this: there, K rises with P pressure, so a small epoch
-    (a short continuation prompt) gets the smallest K and waits one D iteration per boundary
-    span, although its segments are too small to delay D. K never increases with the epoch size.
+    K never increases with D occupancy or the epoch's size and never decreases with P pressure.
     """
 
-    spans: Sequence[int] = (1, 2, 4)
     share: float = 0.125
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "spans", _validated_spans(self.spans))
+        super().__post_init__()
         _check_real("share", self.share)
         if not 0.0 < self.share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {self.share!r}")
@@ -134,6 +135,10 @@ class WorkPerRoundSpan(SegmentPolicy):
     def span(self, load: Load | None = None) -> int:
         if load is None:
             raise ValueError("WorkPerRoundSpan needs a Load, got None")
+        return max(super().span(load), self.work_span(load))
+
+    def work_span(self, load: Load) -> int:
+        """The largest span whose segment holds at most `share` of a full-budget forward."""
         whole = self.spans[-1]
         if load.d_occupancy == 0.0:
             return whole
