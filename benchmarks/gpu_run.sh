@@ -70,13 +70,13 @@ tp1() {  # $1: name suffix
 ROLLOUT="--platform gpu --model .gpu/gpu-model --preset gpu-quick --reps 3 --wait-scale ${WAIT_SCALE:-0.5} --no-progress"
 V_NORMAL='normal={"ainfer_pd": {"mode": "normal"}}'
 V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
-V_PD_K1='pd_k1={"ainfer_pd": {"overlap_timing": true}}'
+V_PD_K1='pd_k1={"ainfer_pd": {"segment_policy": "fixed", "overlap_timing": true}}'
 # load's K, raised to up to ~1/8 of a full-budget forward per round: TTFT of short lane prompts.
 V_PD_WORK='pd_work={"ainfer_pd": {"segment_policy": "work", "overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
 # Fine ordering, one segment per epoch (K past the last boundary): TTFT against D's protection.
-V_PD_WHOLE='pd_whole={"ainfer_pd": {"segment_span": 64, "overlap_timing": true}}'
+V_PD_WHOLE='pd_whole={"ainfer_pd": {"segment_policy": "fixed", "segment_span": 64, "overlap_timing": true}}'
 V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
 TP2_COMPILE='--serve-arg=--compilation-config={"pass_config":{"fuse_allreduce_rms":false}}'
 

@@ -24,7 +24,9 @@ SCENARIO = textwrap.dedent(
     from vllm_ainfer_pd.testing.parity import offline_llm, parity_waves
 
     def main():
-        lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "timeout_s": %(timeout)s}}
+        # K=1: the epoch spans round 3 whatever the load (the stall is checked inside epochs).
+        lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "fixed",
+                              "timeout_s": %(timeout)s}}
         with offline_llm(sys.argv[1], 2, backend="ainfer_pd", additional_config=lane) as llm:
             print("ENGINE UP", flush=True)
             start = time.monotonic()

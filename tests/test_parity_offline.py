@@ -37,7 +37,8 @@ def stock_tp1(tiny_model):
 
 def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
     stock, stock_out = stock_tp1
-    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=LANE_ON) as ours:
+    k1 = {"ainfer_pd": {**LANE_ON["ainfer_pd"], "segment_policy": "fixed"}}
+    with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=k1) as ours:
         ours_out = run_waves(ours, WAVES, MAX_TOKENS)
         status = ours.worker_status()
     assert [(s["worker"], s["rank"], s["mode"]) for s in status] == [("AInferPDWorker", 0, "pd")]
@@ -109,7 +110,8 @@ def test_offline_tp1_fine_with_a_span_past_the_last_boundary_runs_one_segment_pe
     """Fine ordering with K beyond the model's boundaries (`gpu_run.sh`'s `pd_whole`): the permit
     lies past the last boundary, so each epoch is one release, with the same tokens."""
     status = tp1_lane_matches_stock(stock_tp1, tiny_model, {
-        "p_lane_min_tokens": 32, "segment_span": 64, "p_host": "concurrent"})
+        "p_lane_min_tokens": 32, "segment_policy": "fixed", "segment_span": 64,
+        "p_host": "concurrent"})
     lane_stats = status[0]["p_lane"]
     assert lane_stats["segments"] == lane_stats["epochs"] > 0, lane_stats
 

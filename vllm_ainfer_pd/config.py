@@ -40,7 +40,9 @@ class AInferPDConfig:
     # from D occupancy and P pressure), the CPU rendezvous between ranks, and the bound on every
     # distributed wait (a hang becomes an error naming the rank and what it waited for).
     ordering: str = "fine"
-    segment_policy: str = "fixed"
+    # `load` is what the GPU benchmarks measured as `pd` (benchmarks/results/gpu/README.md);
+    # `segment_span` is K for `fixed` only.
+    segment_policy: str = "load"
     segment_span: int = 1
     rendezvous: str = "shm"
     timeout_s: float = 120.0
@@ -74,6 +76,12 @@ class AInferPDConfig:
                 raise ConfigError(f"ainfer_pd.{name}={value!r} is not one of {', '.join(choices)}")
         if self.segment_span < 1:
             raise ConfigError(f"ainfer_pd.segment_span={self.segment_span!r} must be >= 1")
+        if self.segment_span != 1 and self.segment_policy != "fixed":
+            # Ignoring it would run another K than the one asked for.
+            raise ConfigError(
+                f"ainfer_pd.segment_span={self.segment_span!r} applies to segment_policy='fixed'; "
+                f"segment_policy={self.segment_policy!r} chooses K itself"
+            )
         if not self.timeout_s > 0:
             raise ConfigError(f"ainfer_pd.timeout_s={self.timeout_s!r} must be > 0")
 
