@@ -20,6 +20,7 @@ from vllm_ainfer_pd.turnstile import (
     ShmRendezvous,
 )
 from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
+from vllm_ainfer_pd.turnstile.rendezvous import MAX_PAYLOAD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -248,14 +249,21 @@ def _payload_rounds(rdv, rank, rounds):
     for j in range(rounds):
         for k, phase in enumerate((rdv.pre_d, rdv.post_d)):
             # Ranks alternate sending nothing, so a stale value from the other parity would show.
-            payload = () if (rank + j + k) % 3 == 0 else (rank, j, k)
+            payload = () if (rank + j + k) % 3 == 0 else _full_payload(rank, j, k)
             phase(payload)
             seen.append(list(rdv.payloads))
     return seen
 
 
+def _full_payload(rank, j, k):
+    """MAX_PAYLOAD ints: the shm layout must hold them without touching the next rank's line."""
+    payload = (rank, j, k, -(rank * 10_000 + j))
+    assert len(payload) == MAX_PAYLOAD
+    return payload
+
+
 def _expected_payloads(world, rounds):
-    return [[() if (r + j + k) % 3 == 0 else (r, j, k) for r in range(world)]
+    return [[() if (r + j + k) % 3 == 0 else _full_payload(r, j, k) for r in range(world)]
             for j in range(rounds) for k in range(2)]
 
 
@@ -276,8 +284,8 @@ def test_shm_payloads_deliver_each_phase_values_to_every_rank():
 
 def test_payload_longer_than_the_limit_is_rejected_naming_it():
     rdv = NullRendezvous()
-    with pytest.raises(ValueError, match=r"at most 3 ints, got \(1, 2, 3, 4\)"):
-        rdv.pre_d((1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"at most 4 ints, got \(1, 2, 3, 4, 5\)"):
+        rdv.pre_d((1, 2, 3, 4, 5))
     rdv = NullRendezvous()
     rdv.pre_d((7,))
     assert rdv.payloads == [(7,)]

@@ -36,7 +36,9 @@ from vllm_ainfer_pd.turnstile.errors import (
 )
 
 PHASES = ("pre_d", "post_d")
-MAX_PAYLOAD = 3
+# The P lane's DP round sends 4 (its next epoch's tokens and the 3 load figures). ShmRendezvous
+# keeps a rank's generation and two payload buffers in its 2 cache lines: 1 + 2 * (1 + 4) <= 16.
+MAX_PAYLOAD = 4
 Payload = tuple[int, ...]
 
 
