@@ -109,8 +109,8 @@ class LoadSelectedSpan(SegmentPolicy):
 
 @dataclass(frozen=True)
 class WorkPerRoundSpan(LoadSelectedSpan):
-    """`LoadSelectedSpan`'s K, raised so that each round releases at least about `share` of a
-    full-budget forward, whatever the epoch's size.
+    """`LoadSelectedSpan`'s K, raised where a round would release little P work: to the largest
+    span whose segment still holds at most `share` of a full-budget forward.
 
     `LoadSelectedSpan` gives K from P pressure: a deep queue passes many boundaries per round, but
     a small epoch (a short continuation prompt) has little pressure, gets the smallest K and
