@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--p-host", default="auto", help="the lane's p_host (docs/worker.md)")
+    parser.add_argument("--segment-policy", default=None,
+                        help="the lane's segment_policy (default: the backend's, docs/worker.md)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -52,13 +54,15 @@ def main() -> None:
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
     result: dict = {"layout": {"tp": args.tp, "dp": args.dp, "expert_parallel": args.dp > 1},
-                    "p_host": args.p_host}
+                    "p_host": args.p_host, "segment_policy": args.segment_policy}
+    lane = {"p_lane_min_tokens": 32, "p_host": args.p_host}
+    if args.segment_policy is not None:
+        lane["segment_policy"] = args.segment_policy
     outs = {}
     for mode in ("pd", "normal"):
         print(f"[serve-parity] mode={mode} TP={args.tp} DP={args.dp}", file=sys.stderr, flush=True)
-        outs[mode], result[mode] = serve_waves(
-            model, args.tp, args.dp, {"mode": mode, "p_lane_min_tokens": 32, "p_host": args.p_host}, waves,
-            args.max_tokens)
+        outs[mode], result[mode] = serve_waves(model, args.tp, args.dp, {"mode": mode, **lane},
+                                               waves, args.max_tokens)
     with offline_llm(model, 1) as stock:
         report = compare(prompts, outs["normal"], outs["pd"], stock.teacher_force)
         vs_stock = compare(prompts, run_waves(stock, waves, args.max_tokens), outs["pd"],
