@@ -79,9 +79,10 @@ def test_selected_span_is_always_one_of_the_validated_spans(d, p, spans):
     ({"p_high": -1.0}, "p_high must be > 0, got -1.0"),
     ({"p_high": math.nan}, "p_high must be a finite number, got nan"),
 ])
-def test_load_selected_span_rejects_bad_settings_by_value(kwargs, message):
+@pytest.mark.parametrize("cls", [LoadSelectedSpan, WorkPerRoundSpan])  # the work rule inherits
+def test_load_selected_span_rejects_bad_settings_by_value(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LoadSelectedSpan(**kwargs)
+        cls(**kwargs)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -166,9 +167,6 @@ def test_work_span_is_the_load_rules_k_or_a_span_within_its_share(d, p, e):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"spans": ()}, "at least one span"),
-    ({"spans": (1, 1)}, "distinct"),
-    ({"d_high": 0.0}, "d_high must be in"),
     ({"share": 0.0}, r"share must be in \(0, 1\], got 0.0"),
     ({"share": 1.5}, "got 1.5"),
     ({"share": math.inf}, "share must be a finite number, got inf"),
