@@ -16,7 +16,8 @@
 #   decode1    decode-only overhead, tiny model: pd (no P) vs normal vs stock side by side
 #   decodeg    decode-only overhead on the gpu preset through `vllm serve` (device-bound steps):
 #              64 one-turn requests, 16-token prompts (no lane work), 1,024 tokens each, no waits;
-#              backends $DECODEG_ONLY (default stock,normal,pd), output decodeg_$DECODEG_TAG
+#              backends $DECODEG_ONLY (default stock,normal,pd; run in that order), $DECODEG_REPS
+#              repetitions (default 3), output decodeg_$DECODEG_TAG
 #   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
@@ -142,7 +143,7 @@ for i in range(64):
     print(json.dumps({"id": f"d{i}", "turns": [{"input_tokens": 16, "output_tokens": 1024}]}))' \
                > /tmp/decode-only.jsonl
              CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 90 $T python3 -m vllm_ainfer_pd.rollout compare \
-               --platform gpu --model .gpu/gpu-model --trace /tmp/decode-only.jsonl --reps 3 \
+               --platform gpu --model .gpu/gpu-model --trace /tmp/decode-only.jsonl --reps ${DECODEG_REPS:-3} \
                --no-progress --variant "$V_NORMAL" --variant "$V_PD" \
                --only ${DECODEG_ONLY:-stock,normal,pd} --out $OUT/decodeg_${DECODEG_TAG:-a} \
                > /tmp/gpu-logs/decodeg.log 2>&1

@@ -39,9 +39,11 @@ def test_bad_settings_fail_at_construction(kwargs, message):
         CompareConfig("m", Path("o"), **kwargs)
 
 
-def test_only_runs_the_named_backends_and_rejects_unknown_names():
+def test_only_runs_the_named_backends_in_its_order_and_rejects_unknown_names():
     variants = (("normal", '{"ainfer_pd": {"mode": "normal"}}'),)
     cfg = CompareConfig("m", Path("o"), variants=variants, only=("stock", "normal"))
     assert list(cfg.backends()) == ["stock", "normal"]
+    reversed_cfg = CompareConfig("m", Path("o"), variants=variants, only=("normal", "stock"))
+    assert list(reversed_cfg.backends()) == ["normal", "stock"]
     with pytest.raises(ValueError, match=r"no backend named \['nromal'\]"):
         CompareConfig("m", Path("o"), variants=variants, only=("nromal",))

@@ -219,8 +219,8 @@ def parser() -> argparse.ArgumentParser:
                    help="extra `vllm serve` flag for every server (repeat; e.g. "
                         "--serve-arg=--max-num-seqs=64)")
     c.add_argument("--only", default=None,
-                   help="comma-separated backend names to run (e.g. one GPU's share of a "
-                        "comparison; join the parts with `merge`)")
+                   help="comma-separated backend names to run, in this order (e.g. one GPU's "
+                        "share of a comparison; join the parts with `merge`)")
     c.set_defaults(fn=cmd_compare)
 
     m = sub.add_parser("merge", help="join the report.json of comparisons run with --only")

@@ -55,7 +55,9 @@ class CompareConfig:
     schedule: str = "interleaved"
     variants: tuple[tuple[str, str], ...] = ()
     extra_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    only: tuple[str, ...] = ()  # run just these backends (e.g. one GPU's share; see `merge`)
+    # Run just these backends, in this order (e.g. one GPU's share; see `merge`). The order is the
+    # one a sequential schedule runs them in, so a second call can reverse it.
+    only: tuple[str, ...] = ()
     concurrency: int = 256
     timeout_s: float = 600.0
     progress: bool = True
@@ -90,7 +92,7 @@ class CompareConfig:
             out[name] = [*AINFER, "--additional-config", raw]
         for name, flags in self.extra_backends:
             out[name] = list(flags)
-        return {n: a for n, a in out.items() if not self.only or n in self.only}
+        return {n: out[n] for n in self.only} if self.only else out
 
     def common_args(self) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
