@@ -86,8 +86,13 @@ compare() {  # name gpus args...   (one `rollout compare`; SIGINT at the limit s
   echo "== $name (GPUs $gpus): rollout compare $*"
   CUDA_VISIBLE_DEVICES=$gpus timeout -s INT -k 90 $T python3 -m vllm_ainfer_pd.rollout compare \
     $ROLLOUT "$@" --out $OUT/$name > /tmp/gpu-logs/$name.log 2>&1
-  echo "== $name: rc=$?"; cp $OUT/$name/server-*.log /tmp/gpu-logs/ 2>/dev/null
-  rm -f $OUT/$name/server-*.log
+  echo "== $name: rc=$?"; keep_few_files $name
+}
+
+keep_few_files() {  # only ~8 files per call come back: server logs into logs.tar.gz, records in one
+  local dir=$OUT/$1
+  cp $dir/server-*.log /tmp/gpu-logs/ 2>/dev/null; rm -f $dir/server-*.log
+  [[ -d $dir/records ]] && tar -C $dir -czf $dir/records.tar.gz records && rm -rf $dir/records
 }
 
 start=$(date +%s)
@@ -147,7 +152,7 @@ for i in range(64):
                --no-progress --variant "$V_NORMAL" --variant "$V_PD" \
                --only ${DECODEG_ONLY:-stock,normal,pd} --out $OUT/decodeg_${DECODEG_TAG:-a} \
                > /tmp/gpu-logs/decodeg.log 2>&1
-             echo "== decodeg: rc=$?" ;;
+             echo "== decodeg: rc=$?"; keep_few_files decodeg_${DECODEG_TAG:-a} ;;
     tp2dp2bi) VLLM_BATCH_INVARIANT=1 parity tp2dp2_ep_bfloat16_bi 0,1,2,3 --model .gpu/tiny --tp 2 \
                 --dp 2 --dtype bfloat16 --additional-config "$LANE" \
                 --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;

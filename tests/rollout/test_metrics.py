@@ -8,7 +8,7 @@ import math
 import pytest
 
 from vllm_ainfer_pd.rollout import backend_metrics, report
-from vllm_ainfer_pd.rollout.metrics import quantile, summarize
+from vllm_ainfer_pd.rollout.metrics import quantile, summarize, ttft_by_turn_kind
 from vllm_ainfer_pd.rollout.replayer import RequestRecord
 
 
@@ -38,6 +38,44 @@ def test_summary_follows_the_paper_definitions():
     assert s["ttft_s"]["p50"] == pytest.approx(0.4)
     assert s["tpot_s"]["mean"] == pytest.approx(0.75)
     assert (s["input_tokens"], s["output_tokens"]) == (30, 9)
+
+
+def test_ttft_is_split_by_the_new_tokens_a_turn_brings():
+    def turn(traj, n, prompt, out, ttft, end):
+        return RequestRecord(traj, n, 0.0, out, prompt, 1.0, 1.0 + ttft, end, out)
+
+    records = [
+        turn("a", 0, 100, 10, 0.5, 3.0),
+        turn("a", 1, 110 + 600, 5, 0.3, 9.0),  # 600 new tokens: lane-sized at 512
+        turn("a", 2, 715 + 511, 5, 0.1, 8.0),  # 511 new tokens: inline-sized
+        turn("b", 0, 50, 5, 0.7, 2.0),
+        RequestRecord("c", 0, 0.0, 4, 10, 0.0, math.nan, math.nan, 0, "HTTP 400: bad"),
+    ]
+    split = ttft_by_turn_kind(records, lane_min_tokens=512)
+    by_kind = {k: (d["n"], d["p50"]) for k, d in split["ttft_s"].items()}
+    assert by_kind["first turns"] == (2, pytest.approx(0.6))  # the failed c is left out
+    assert by_kind["later, lane-sized"] == (1, pytest.approx(0.3))
+    assert by_kind["later, inline-sized"] == (1, pytest.approx(0.1))
+    assert split["last_trajectory"] == "a"
+    with pytest.raises(ValueError, match="lane_min_tokens=0"):
+        ttft_by_turn_kind(records, lane_min_tokens=0)
+
+
+def test_ttft_cli_reads_records_files_and_names_a_bad_one(tmp_path, capsys):
+    from vllm_ainfer_pd.rollout.__main__ import main
+
+    good = tmp_path / "pd-0.jsonl"
+    good.write_text("".join(json.dumps(vars(r)) + "\n" for r in RECORDS))
+    main(["ttft", str(good)])
+    out = capsys.readouterr().out
+    assert "first turns: n=2 p50=0.350" in out and "later, lane-sized: n=0" in out
+    assert "later, inline-sized: n=1 p50=0.400" in out
+    assert "ended last: a" in out
+    bad = tmp_path / "report.json"
+    bad.write_text('{"meta": {}}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["ttft", str(bad)])
+    assert e.value.code == 2 and f"{bad}: not a records file" in capsys.readouterr().err
 
 
 def test_quantile_interpolates_like_numpy():

@@ -1,10 +1,11 @@
 """The `vllm-ainfer-pd-rollout` CLI (`python -m vllm_ainfer_pd.rollout`): generate, stats, replay,
-compare.
+compare, merge, ttft.
 
     generate --preset cpu --seed 0 --out trace.jsonl
     stats    --trace trace.jsonl            (or --preset paper)
     replay   --url http://127.0.0.1:8000 --preset cpu --wait-scale 0.1
     compare  --preset cpu --out rollout-out [--reps 3] [--variant normal='{"ainfer_pd":{...}}']
+    ttft     rollout-out/records/pd-0.jsonl [...]   (TTFT by kind of turn, and the last trajectory)
 
 Errors the user can fix (unreachable server, bad trace, bad flag value) print one `error:` line and
 exit with status 2.
@@ -172,6 +173,24 @@ def cmd_merge(args: argparse.Namespace) -> None:
     print("written: " + ", ".join(str(p) for p in paths))
 
 
+def cmd_ttft(args: argparse.Namespace) -> None:
+    from vllm_ainfer_pd.rollout.metrics import ttft_by_turn_kind
+    from vllm_ainfer_pd.rollout.replayer import RequestRecord
+
+    lines = [f"TTFT (s) by kind of turn; later turns split at {args.lane_min_tokens} new tokens"]
+    for path in args.records:
+        try:
+            records = [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines()
+                       if line.strip()]
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path}: not a records file written by replay/compare ({e})") from None
+        split = ttft_by_turn_kind(records, args.lane_min_tokens)
+        cells = [f"{kind}: n={d['n']} p50={d['p50']:.3f} p99={d['p99']:.3f}"
+                 for kind, d in split["ttft_s"].items()]
+        lines.append(f"{path}: " + "; ".join(cells) + f"; ended last: {split['last_trajectory']}")
+    print("\n".join(lines))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-ainfer-pd-rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,6 +246,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("reports", type=Path, nargs="+", help="report.json files, base backend first")
     m.add_argument("--out", type=Path, required=True, help="output folder (report.md, plots)")
     m.set_defaults(fn=cmd_merge)
+
+    t = sub.add_parser("ttft", help="TTFT by kind of turn (first / lane-sized / inline-sized) "
+                                    "from per-request records")
+    t.add_argument("records", type=Path, nargs="+", help="records/<backend>-<rep>.jsonl files")
+    t.add_argument("--lane-min-tokens", type=int, default=512,
+                   help="the P lane's threshold, ainfer_pd.p_lane_min_tokens (default 512)")
+    t.set_defaults(fn=cmd_ttft)
     return p
 
 

@@ -65,3 +65,34 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "input_tokens": sum(r.prompt_tokens for r in done),
         "output_tokens": sum(r.output_tokens for r in done),
     }
+
+
+def ttft_by_turn_kind(records: Sequence[RequestRecord], lane_min_tokens: int) -> dict[str, Any]:
+    """TTFT split by what the server had to prefill, and the trajectory that ended last.
+
+    A later turn's new tokens are its prompt minus the previous turn's prompt and output (the
+    prefix-cache hit when nothing was evicted); at `lane_min_tokens` or more they go through the
+    P lane (`ainfer_pd.p_lane_min_tokens`), below it inline. First turns are apart because a
+    trace releases them together (the opening burst). Stock and `normal` prefill everything
+    inline; splitting theirs at the same threshold shows the same prompts side by side.
+    """
+    if lane_min_tokens < 1:
+        raise ValueError(f"lane_min_tokens={lane_min_tokens} must be >= 1")
+    turns = {(r.trajectory, r.turn): r for r in records}
+    kinds: dict[str, list[float]] = {"first turns": [], "later, lane-sized": [],
+                                     "later, inline-sized": []}
+    for r in records:
+        if not r.ok:
+            continue
+        prev = turns.get((r.trajectory, r.turn - 1))
+        if r.turn == 0 or prev is None:
+            kind = "first turns"
+        elif r.prompt_tokens - prev.prompt_tokens - prev.output_tokens >= lane_min_tokens:
+            kind = "later, lane-sized"
+        else:
+            kind = "later, inline-sized"
+        kinds[kind].append(r.first_token_s - r.submit_s)
+    done = [r for r in records if r.ok]
+    last = max(done, key=lambda r: r.end_s, default=None)
+    return {"ttft_s": {k: {"n": len(xs), **describe(xs)} for k, xs in kinds.items()},
+            "last_trajectory": last.trajectory if last else None}
