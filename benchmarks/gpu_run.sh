@@ -74,6 +74,9 @@ V_PD='pd={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true}}'
 V_PD_K1='pd_k1={"ainfer_pd": {"segment_policy": "fixed", "overlap_timing": true}}'
 # load's K, raised to up to ~1/8 of a full-budget forward per round: TTFT of short lane prompts.
 V_PD_WORK='pd_work={"ainfer_pd": {"segment_policy": "work", "overlap_timing": true}}'
+# Prompts under 2,048 new tokens inline (vLLM's chunked prefill) instead of 512: TTFT of later turns
+# against the decode steps they ride in.
+V_PD_LANE2K='pd_lane2k={"ainfer_pd": {"p_lane_min_tokens": 2048, "overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
 # Fine ordering, one segment per epoch (K past the last boundary): TTFT against D's protection.
@@ -137,7 +140,7 @@ for job in "$@"; do
     bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
-               --variant "$V_PD_WORK" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+               --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
