@@ -18,6 +18,9 @@
 #              64 one-turn requests, 16-token prompts (no lane work), 1,024 tokens each, no waits;
 #              backends $DECODEG_ONLY (default stock,normal,pd; run in that order), $DECODEG_REPS
 #              repetitions (default 3), output decodeg_$DECODEG_TAG
+#   profile1   pd under the gpu-quick rollout (waits x $WAIT_SCALE, default 0.1) with vLLM's torch
+#              profiler over engine steps $PROFILE_DELAY.. (+$PROFILE_ITERS): benchmarks/profile_lane.py
+#              reads P's kernel time overlapped by D's and P's blocking host calls
 #   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
@@ -156,6 +159,16 @@ for i in range(64):
                --only ${DECODEG_ONLY:-stock,normal,pd} --out $OUT/decodeg_${DECODEG_TAG:-a} \
                > /tmp/gpu-logs/decodeg.log 2>&1
              echo "== decodeg: rc=$?"; keep_few_files decodeg_${DECODEG_TAG:-a} ;;
+    profile1)  # pd under the rollout with vLLM's torch profiler: exact overlap, P's host waits
+      CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 90 $T python3 benchmarks/profile_lane.py \
+        --platform gpu --model .gpu/gpu-model --preset gpu-quick --wait-scale ${WAIT_SCALE:-0.1} \
+        --delay-iterations ${PROFILE_DELAY:-100} --max-iterations ${PROFILE_ITERS:-300} \
+        --out $OUT/profile_tp1 > /tmp/gpu-logs/profile1.log 2>&1
+      echo "== profile1: rc=$?"; tail -8 /tmp/gpu-logs/profile1.log
+      cp $OUT/profile_tp1/server.log /tmp/gpu-logs/profile1-server.log 2>/dev/null
+      rm -f $OUT/profile_tp1/server.log
+      # One trace file comes back if it is small enough; the summary always does.
+      find $OUT/profile_tp1/torch_traces -type f ! -name '*.json.gz' -delete 2>/dev/null ;;
     tp2dp2bi) VLLM_BATCH_INVARIANT=1 parity tp2dp2_ep_bfloat16_bi 0,1,2,3 --model .gpu/tiny --tp 2 \
                 --dp 2 --dtype bfloat16 --additional-config "$LANE" \
                 --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
