@@ -71,11 +71,22 @@ def test_ttft_cli_reads_records_files_and_names_a_bad_one(tmp_path, capsys):
     assert "first turns: n=2 p50=0.350" in out and "later, lane-sized: n=0" in out
     assert "later, inline-sized: n=1 p50=0.400" in out
     assert "ended last: a" in out
+    # The records.tar.gz benchmarks/gpu_run.sh brings back: every .jsonl in it, by name.
+    import tarfile
+
+    packed = tmp_path / "records.tar.gz"
+    with tarfile.open(packed, "w:gz") as tar:
+        tar.add(good, arcname="records/pd-0.jsonl")
+    main(["ttft", str(packed)])
+    assert f"{packed}:records/pd-0.jsonl: first turns: n=2 p50=0.350" in capsys.readouterr().out
     bad = tmp_path / "report.json"
     bad.write_text('{"meta": {}}\n')
     with pytest.raises(SystemExit) as e:
         main(["ttft", str(bad)])
     assert e.value.code == 2 and f"{bad}: not a records file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["ttft", str(tmp_path / "missing.tar.gz")])
+    assert e.value.code == 2 and "missing.tar.gz: cannot read records" in capsys.readouterr().err
 
 
 def test_quantile_interpolates_like_numpy():

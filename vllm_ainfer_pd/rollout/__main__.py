@@ -178,17 +178,36 @@ def cmd_ttft(args: argparse.Namespace) -> None:
     from vllm_ainfer_pd.rollout.replayer import RequestRecord
 
     lines = [f"TTFT (s) by kind of turn; later turns split at {args.lane_min_tokens} new tokens"]
-    for path in args.records:
+    for name, text in _records_texts(args.records):
         try:
-            records = [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines()
+            records = [RequestRecord(**json.loads(line)) for line in text.splitlines()
                        if line.strip()]
-        except (OSError, json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"{path}: not a records file written by replay/compare ({e})") from None
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{name}: not a records file written by replay/compare ({e})") from None
         split = ttft_by_turn_kind(records, args.lane_min_tokens)
         cells = [f"{kind}: n={d['n']} p50={d['p50']:.3f} p99={d['p99']:.3f}"
                  for kind, d in split["ttft_s"].items()]
-        lines.append(f"{path}: " + "; ".join(cells) + f"; ended last: {split['last_trajectory']}")
+        lines.append(f"{name}: " + "; ".join(cells) + f"; ended last: {split['last_trajectory']}")
     print("\n".join(lines))
+
+
+def _records_texts(paths: list[Path]):
+    """(name, text) of each records file; a `.tar.gz` (what benchmarks/gpu_run.sh brings back)
+    gives each `.jsonl` inside it."""
+    import tarfile
+
+    for path in paths:
+        try:
+            if path.name.endswith(".tar.gz"):
+                with tarfile.open(path) as tar:
+                    for member in sorted(tar.getmembers(), key=lambda m: m.name):
+                        if member.isfile() and member.name.endswith(".jsonl"):
+                            yield (f"{path}:{member.name}",
+                                   tar.extractfile(member).read().decode())
+            else:
+                yield str(path), path.read_text()
+        except (OSError, tarfile.TarError) as e:
+            raise ValueError(f"{path}: cannot read records ({e})") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -249,7 +268,8 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("ttft", help="TTFT by kind of turn (first / lane-sized / inline-sized) "
                                     "from per-request records")
-    t.add_argument("records", type=Path, nargs="+", help="records/<backend>-<rep>.jsonl files")
+    t.add_argument("records", type=Path, nargs="+",
+                   help="records/<backend>-<rep>.jsonl files, or a records.tar.gz of them")
     t.add_argument("--lane-min-tokens", type=int, default=512,
                    help="the P lane's threshold, ainfer_pd.p_lane_min_tokens (default 512)")
     t.set_defaults(fn=cmd_ttft)
