@@ -117,6 +117,11 @@ def _routed(collective: Any) -> Any:
     return wrapper
 
 
+def _tokens(jobs) -> int:
+    """Prompt tokens the jobs (or an epoch's chunks of them) compute."""
+    return sum(j.end - j.start for j in jobs)
+
+
 @dataclass
 class LaneStats:
     """Counters of one rank since start (times in seconds). Exported as `vllm_ainfer_pd_*`."""
@@ -292,24 +297,24 @@ class PLane:
     def p_work_tokens(self) -> float:
         """P work not yet issued, in prompt tokens: the queued jobs plus the part of the open
         epoch's forward still ahead of its permit (the segment policy's P pressure)."""
-        queued = sum(j.end - j.start for j in self.pending)
+        queued = _tokens(self.pending)
         epoch = self.epoch
         if epoch is None:
             return queued
         layers = self.num_boundaries - 1
         ahead = (layers - max(epoch.reached, 0)) / layers
-        return queued + ahead * sum(j.end - j.start for j in epoch.chunks)
+        return queued + ahead * _tokens(epoch.chunks)
 
     def epoch_tokens(self) -> int:
         """Prompt tokens of the epoch this round releases: the open one, else the next one (what
         `_open_epoch` would take from the queue)."""
         if self.epoch is not None:
-            return sum(j.end - j.start for j in self.epoch.chunks)
+            return _tokens(self.epoch.chunks)
         return self._next_epoch_tokens()
 
     def _next_epoch_tokens(self) -> int:
         """What `_open_epoch` takes from the queue: at most the step budget."""
-        return min(sum(j.end - j.start for j in self.pending), self.max_epoch_tokens)
+        return min(_tokens(self.pending), self.max_epoch_tokens)
 
     def workspace_bytes(self) -> int | None:
         """Bytes held by P's own workspace manager (None without one, on CPU)."""
@@ -426,7 +431,7 @@ class PLane:
             left -= job.end - job.start
         self._next_epoch += 1
         self.stats.epochs += 1
-        self.stats.p_tokens += sum(j.end - j.start for j in epoch.chunks)
+        self.stats.p_tokens += _tokens(epoch.chunks)
         self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
         if not self.handoff:
             sys.setswitchinterval(P_SWITCH_INTERVAL_S)
