@@ -99,9 +99,10 @@ def test_load_rejects_bad_figures_by_value(kwargs, message):
         Load(**kwargs)
 
 
-def test_load_selected_span_needs_a_load():
-    with pytest.raises(ValueError, match="needs a Load"):
-        LoadSelectedSpan().span(None)
+@pytest.mark.parametrize("policy", [LoadSelectedSpan, WorkPerRoundSpan])
+def test_load_policies_need_a_load_and_say_which(policy):
+    with pytest.raises(ValueError, match=f"{policy.__name__} needs a Load"):
+        policy().span(None)
 
 
 def test_make_policy_names_the_unknown_kind():
@@ -174,8 +175,3 @@ def test_work_span_is_the_load_rules_k_or_a_span_within_its_share(d, p, e):
 def test_work_span_rejects_bad_settings_by_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WorkPerRoundSpan(**kwargs)
-
-
-def test_work_span_needs_a_load():
-    with pytest.raises(ValueError, match="WorkPerRoundSpan needs a Load"):
-        WorkPerRoundSpan().span(None)

@@ -99,7 +99,7 @@ class LoadSelectedSpan(SegmentPolicy):
 
     def span(self, load: Load | None = None) -> int:
         if load is None:
-            raise ValueError("LoadSelectedSpan needs a Load, got None")
+            raise ValueError(f"{type(self).__name__} needs a Load, got None")
         spans = self.spans
         if load.d_occupancy >= self.d_high:
             return spans[0]
@@ -133,9 +133,7 @@ class WorkPerRoundSpan(LoadSelectedSpan):
             raise ValueError(f"share must be in (0, 1], got {self.share!r}")
 
     def span(self, load: Load | None = None) -> int:
-        if load is None:
-            raise ValueError("WorkPerRoundSpan needs a Load, got None")
-        return max(super().span(load), self.work_span(load))
+        return max(super().span(load), self.work_span(load))  # super() rejects a missing Load
 
     def work_span(self, load: Load) -> int:
         """The largest span whose segment holds at most `share` of a full-budget forward."""
