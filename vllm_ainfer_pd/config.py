@@ -33,8 +33,11 @@ class AInferPDConfig:
     # The P lane (docs/planner.md): prompts with at least this many uncached tokens are prefilled in
     # the background into reserved KV blocks; shorter ones run inline in the step's batch.
     p_lane_min_tokens: int = 512
-    # Cap on background prefills in flight; async loads do not count against max_num_seqs.
-    max_p_inflight: int = 4
+    # Cap on background prefills in flight; async loads do not count against max_num_seqs. 16, not
+    # 4: with 4, a burst of long prompts (a rollout's first turns) is admitted 4 at a time, behind
+    # each promotion, and its prefill finished ~20% later than stock's on 1 x H200; with 16 its
+    # p99 TTFT is within 5% of stock's (benchmarks/results/gpu/README.md, seventh session).
+    max_p_inflight: int = 16
     # The turnstile in the worker (docs/worker.md): how D is ordered against a P epoch (the
     # ordering ladder), how many layer boundaries one release lets P pass (K, or chosen per round
     # from D occupancy and P pressure), the CPU rendezvous between ranks, and the bound on every
