@@ -57,6 +57,11 @@ def test_ttft_is_split_by_the_new_tokens_a_turn_brings():
     assert by_kind["later, lane-sized"] == (1, pytest.approx(0.3))
     assert by_kind["later, inline-sized"] == (1, pytest.approx(0.1))
     assert split["last_trajectory"] == "a"
+    # The burst: a's and b's first turns, 150 prompt tokens, submitted at 1.0, the last first
+    # token (b's) at 1.7.
+    assert split["burst"] == {"prompt_tokens": 150, "done_s": pytest.approx(0.7),
+                              "tokens_per_s": pytest.approx(150 / 0.7)}
+    assert ttft_by_turn_kind(records[4:], lane_min_tokens=512)["burst"] is None  # none ok
     with pytest.raises(ValueError, match="lane_min_tokens=0"):
         ttft_by_turn_kind(records, lane_min_tokens=0)
 
@@ -70,6 +75,7 @@ def test_ttft_cli_reads_records_files_and_names_a_bad_one(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "first turns: n=2 p50=0.350" in out and "later, lane-sized: n=0" in out
     assert "later, inline-sized: n=1 p50=0.400" in out
+    assert "burst: 20 prompt tokens, last first token at 0.50 s (0.0k tokens/s)" in out
     assert "ended last: a" in out
     # The records.tar.gz benchmarks/gpu_run.sh brings back: every .jsonl in it, by name.
     import tarfile

@@ -187,6 +187,10 @@ def cmd_ttft(args: argparse.Namespace) -> None:
         split = ttft_by_turn_kind(records, args.lane_min_tokens)
         cells = [f"{kind}: n={d['n']} p50={d['p50']:.3f} p99={d['p99']:.3f}"
                  for kind, d in split["ttft_s"].items()]
+        burst = split["burst"]
+        if burst is not None:
+            cells.append(f"burst: {burst['prompt_tokens']} prompt tokens, last first token at "
+                         f"{burst['done_s']:.2f} s ({burst['tokens_per_s'] / 1e3:.1f}k tokens/s)")
         lines.append(f"{name}: " + "; ".join(cells) + f"; ended last: {split['last_trajectory']}")
     print("\n".join(lines))
 

@@ -68,25 +68,30 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 
 def ttft_by_turn_kind(records: Sequence[RequestRecord], lane_min_tokens: int) -> dict[str, Any]:
-    """TTFT split by what the server had to prefill, and the trajectory that ended last.
+    """TTFT split by what the server had to prefill, the opening burst's prefill rate, and the
+    trajectory that ended last.
 
     A later turn's new tokens are its prompt minus the previous turn's prompt and output (the
     prefix-cache hit when nothing was evicted); at `lane_min_tokens` or more they go through the
     P lane (`ainfer_pd.p_lane_min_tokens`), below it inline. First turns are apart because a
     trace releases them together (the opening burst). Stock and `normal` prefill everything
     inline; splitting theirs at the same threshold shows the same prompts side by side.
+    `burst`: the first turns' prompt tokens over the time from the first one's submission to
+    the last one's first token, the rate at which a backend gets through the opening burst.
     """
     if lane_min_tokens < 1:
         raise ValueError(f"lane_min_tokens={lane_min_tokens} must be >= 1")
     turns = {(r.trajectory, r.turn): r for r in records}
     kinds: dict[str, list[float]] = {"first turns": [], "later, lane-sized": [],
                                      "later, inline-sized": []}
+    firsts: list[RequestRecord] = []
     for r in records:
         if not r.ok:
             continue
         prev = turns.get((r.trajectory, r.turn - 1))
         if r.turn == 0 or prev is None:
             kind = "first turns"
+            firsts.append(r)
         elif r.prompt_tokens - prev.prompt_tokens - prev.output_tokens >= lane_min_tokens:
             kind = "later, lane-sized"
         else:
@@ -94,5 +99,11 @@ def ttft_by_turn_kind(records: Sequence[RequestRecord], lane_min_tokens: int) ->
         kinds[kind].append(r.first_token_s - r.submit_s)
     done = [r for r in records if r.ok]
     last = max(done, key=lambda r: r.end_s, default=None)
+    burst = None
+    if firsts:
+        tokens = sum(r.prompt_tokens for r in firsts)
+        done_s = max(r.first_token_s for r in firsts) - min(r.submit_s for r in firsts)
+        burst = {"prompt_tokens": tokens, "done_s": done_s,
+                 "tokens_per_s": tokens / done_s if done_s > 0 else math.nan}
     return {"ttft_s": {k: {"n": len(xs), **describe(xs)} for k, xs in kinds.items()},
-            "last_trajectory": last.trajectory if last else None}
+            "burst": burst, "last_trajectory": last.trajectory if last else None}
