@@ -138,10 +138,12 @@ def test_lane_headline_ratios_are_derived_from_the_real_counter_names():
              'vllm_ainfer_pd_rounds_total{engine="0",rank="0"} 20\n'
              'vllm_ainfer_pd_rounds_total{engine="0",rank="1"} 10\n'
              'vllm_ainfer_pd_segments_total{engine="0",rank="0"} 25\n'
-             'vllm_ainfer_pd_epochs_total{engine="0",rank="0"} 5\n')
+             'vllm_ainfer_pd_epochs_total{engine="0",rank="0"} 5\n'
+             'vllm_ainfer_pd_p_tokens_total{engine="0",rank="0"} 3000\n')
     d = backend_metrics.delta(backend_metrics.parse(before), backend_metrics.parse(after))
     assert d["vllm_ainfer_pd_mean_d_wait_ms"] == pytest.approx(1e3 * 1.0 / 15)
     assert d["vllm_ainfer_pd_segments_per_epoch"] == pytest.approx(15 / 3)
+    assert d["vllm_ainfer_pd_p_tokens_per_epoch"] == pytest.approx(3000 / 3)
 
 
 def _run(backend, rep, makespan, counters):

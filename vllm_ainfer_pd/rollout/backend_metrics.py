@@ -78,15 +78,17 @@ def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> di
     for name in list(out):
         if name.endswith("_sum") and out.get(name[:-4] + "_count"):
             out[name[:-4] + "_mean"] = out[name] / out[name[:-4] + "_count"]
-    # The lane's two headline ratios (over all ranks): mean D wait per D iteration that released
-    # P work (one segment each; in the global modes one per epoch, holding the whole epoch), and
-    # segments per P epoch.
+    # The lane's headline ratios (over all ranks): mean D wait per D iteration that released P
+    # work (one segment each; in the global modes one per epoch, holding the whole epoch),
+    # segments per P epoch, and P tokens per epoch (how full the lane keeps its forwards, against
+    # the step token budget: part-empty epochs slowed a rollout's opening burst on GPU).
     segments, epochs = out.get(PREFIX + "segments_total"), out.get(PREFIX + "epochs_total")
     if segments:
         out[PREFIX + "mean_d_wait_ms"] = (
             1e3 * out.get(PREFIX + "d_wait_seconds_total", 0) / segments)
     if epochs:
         out[PREFIX + "segments_per_epoch"] = out.get(PREFIX + "segments_total", 0) / epochs
+        out[PREFIX + "p_tokens_per_epoch"] = out.get(PREFIX + "p_tokens_total", 0) / epochs
     return out
 
 
