@@ -81,9 +81,8 @@ V_PD_WORK='pd_work={"ainfer_pd": {"segment_policy": "work", "overlap_timing": tr
 # against the decode steps they ride in.
 V_PD_LANE2K='pd_lane2k={"ainfer_pd": {"p_lane_min_tokens": 2048, "overlap_timing": true}}'
 # The cap on lane prompts in flight (max_p_inflight), which decides how fast the opening burst (64
-# prompts at t=0) enters the lane: 16 is the default since the seventh session (`pd` before it
-# ran 4, the default then: pd_inflight4 is that configuration).
-V_PD_IF16='pd_inflight16={"ainfer_pd": {"max_p_inflight": 16, "overlap_timing": true}}'
+# prompts at t=0) enters the lane. 16 is the default since the seventh session, so `pd` runs it
+# (that session's results call it pd_inflight16); pd_inflight4 is `pd` before it.
 V_PD_IF8='pd_inflight8={"ainfer_pd": {"max_p_inflight": 8, "overlap_timing": true}}'
 V_PD_IF4='pd_inflight4={"ainfer_pd": {"max_p_inflight": 4, "overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
@@ -149,7 +148,7 @@ for job in "$@"; do
     bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
-               --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF16" --variant "$V_PD_IF8" --variant "$V_PD_IF4" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+               --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
