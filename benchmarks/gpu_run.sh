@@ -4,6 +4,7 @@
 # Jobs (each writes $OUT/<job>.json and logs; all logs end up in $OUT/logs.tar.gz):
 #   tp1        TP=1 bf16 and float32, P lane on (one per GPU in parallel where there are 2)
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
+#   tp1dhigh   TP=1 bf16, P lane on, D's stream at high priority (d_stream_priority="high")
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   tp1bi tp2bi dp2bi   bf16 parity with VLLM_BATCH_INVARIANT=1 (tp1bi also runs TP=1 without it)
@@ -85,6 +86,9 @@ V_PD_LANE2K='pd_lane2k={"ainfer_pd": {"p_lane_min_tokens": 2048, "overlap_timing
 # (that session's results call it pd_inflight16); pd_inflight4 is `pd` before it.
 V_PD_IF8='pd_inflight8={"ainfer_pd": {"max_p_inflight": 8, "overlap_timing": true}}'
 V_PD_IF4='pd_inflight4={"ainfer_pd": {"max_p_inflight": 4, "overlap_timing": true}}'
+# D's stream (vLLM's compute stream) at CUDA's highest priority, P's at the default (lowest): where
+# both have blocks waiting, the SMs take D's first (TPOT during the opening burst).
+V_PD_DHIGH='pd_dhigh={"ainfer_pd": {"d_stream_priority": "high", "overlap_timing": true}}'
 V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timing": true, "p_host": "handoff"}}'
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
 # Fine ordering, one segment per epoch (K past the last boundary): TTFT against D's protection.
@@ -111,6 +115,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for job in "$@"; do
   case $job in
     tp1) tp1 ;;
+    tp1dhigh) parity tp1_bfloat16_dhigh 0 --model .gpu/tiny --tp 1 --dtype bfloat16 \
+                --additional-config '{"ainfer_pd": {"p_lane_min_tokens": 32, "d_stream_priority": "high"}}' ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
@@ -148,7 +154,8 @@ for job in "$@"; do
     bench1d) compare bench1d 0 --variant "$V_PD_WHOLE" --only pd_whole ;;
     bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
-               --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+               --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
+               --variant "$V_PD_DHIGH" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1

@@ -34,6 +34,14 @@ def test_the_default_segment_policy_is_the_benchmarked_one_and_a_span_needs_fixe
         AInferPDConfig.from_dict({"segment_span": 4})
 
 
+def test_d_stream_priority_is_default_or_high():
+    assert AInferPDConfig.from_dict(None).d_stream_priority == "default"
+    assert AInferPDConfig.from_dict({"d_stream_priority": "high"}).d_stream_priority == "high"
+    with pytest.raises(ConfigError, match=r"ainfer_pd.d_stream_priority='urgent' is not one of "
+                                          r"default, high"):
+        AInferPDConfig.from_dict({"d_stream_priority": "urgent"})
+
+
 def test_unknown_option_is_named():
     with pytest.raises(ConfigError, match=r"unknown ainfer_pd option\(s\) 'segment_spam'"):
         AInferPDConfig.from_dict({"segment_spam": 2})

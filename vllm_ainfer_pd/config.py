@@ -15,6 +15,7 @@ ORDERINGS = ("fine", "global-enqueue", "global-complete")
 SEGMENT_POLICIES = ("fixed", "load", "work")
 RENDEZVOUS = ("shm", "gloo")
 P_HOSTS = ("auto", "concurrent", "handoff")
+D_STREAM_PRIORITIES = ("default", "high")
 
 
 class ConfigError(Exception):
@@ -57,6 +58,11 @@ class AInferPDConfig:
     # concurrent on GPU, where that work is kernel launches, and the hand-off on CPU, where it is
     # P's compute.
     p_host: str = "auto"
+    # GPU only: `high` moves vLLM's compute stream (D's graph replays and eager kernels) to CUDA's
+    # highest stream priority, so where D and P both have thread blocks waiting for SMs the
+    # hardware dispatches D's first; P's stream keeps the default, lowest priority. `default`
+    # leaves both streams equal (stock vLLM's stream).
+    d_stream_priority: str = "default"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +79,7 @@ class AInferPDConfig:
             ("segment_policy", SEGMENT_POLICIES),
             ("rendezvous", RENDEZVOUS),
             ("p_host", P_HOSTS),
+            ("d_stream_priority", D_STREAM_PRIORITIES),
         ):
             value = getattr(self, name)
             if value not in choices:

@@ -31,6 +31,21 @@ def _platform_worker_cls() -> type:
     return Worker
 
 
+def _raise_compute_stream_priority() -> None:
+    """Replace vLLM's per-process compute stream (`vllm.utils.torch_utils.current_stream()`: D's
+    CUDA-graph capture and replay, the step's eager kernels, what the P lane calls D's stream) with
+    one at CUDA's highest priority. Called before vLLM loads the model and captures its graphs, so
+    everything after runs there; a graph replays with the priority of the stream it launches on."""
+    import torch
+    from vllm.utils.torch_utils import current_stream
+
+    previous = current_stream()
+    _, highest = torch.cuda.Stream.priority_range()
+    stream = torch.cuda.Stream(priority=highest)
+    stream.wait_stream(previous)  # whatever vLLM queued so far stays ahead
+    torch.cuda.set_stream(stream)  # vLLM's patched setter: its current_stream() returns this one
+
+
 class AInferPDWorker(_platform_worker_cls()):
     p_lane = None
 
@@ -44,6 +59,8 @@ class AInferPDWorker(_platform_worker_cls()):
             "p_lane": lane.stats.as_dict() if lane is not None else None,
             # GPU: the scratch P's MoE took from its own workspace manager (0 if P never used it).
             "p_workspace_bytes": lane.workspace_bytes() if lane is not None else None,
+            # GPU: CUDA priorities of D's (vLLM's compute) stream and P's; lower is higher.
+            "stream_priorities": lane.stream_priorities() if lane is not None else None,
         }
 
     def init_device(self) -> None:
@@ -54,6 +71,10 @@ class AInferPDWorker(_platform_worker_cls()):
 
             cpu_compat.install()
         super().init_device()
+        config = AInferPDConfig.from_vllm_config(self.vllm_config)
+        if (config.p_lane_enabled and config.d_stream_priority == "high"
+                and current_platform.is_cuda()):
+            _raise_compute_stream_priority()
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)  # builds the KV cache and the connector

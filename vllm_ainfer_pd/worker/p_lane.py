@@ -230,6 +230,9 @@ class PLane:
         self._fail_rank = int(fail_rank) if fail_rank else None  # None: every rank, at boundary 1
         self.dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         self._threads = torch.get_num_threads()
+        if self.is_cuda:
+            logger.info("P lane on rank %d: stream priorities %s (lower is higher)", rank,
+                        self.stream_priorities())
 
     def _install_boundaries(self) -> int:
         """Make each attention call a P boundary: on the P thread, layer i's attention first
@@ -315,6 +318,12 @@ class PLane:
     def _next_epoch_tokens(self) -> int:
         """What `_open_epoch` takes from the queue: at most the step budget."""
         return min(_tokens(self.pending), self.max_epoch_tokens)
+
+    def stream_priorities(self) -> dict[str, int] | None:
+        """CUDA priorities of D's stream (vLLM's compute stream) and P's; None on CPU."""
+        if self.p_stream is None:
+            return None
+        return {"d": torch.cuda.current_stream().priority, "p": self.p_stream.priority}
 
     def workspace_bytes(self) -> int | None:
         """Bytes held by P's own workspace manager (None without one, on CPU)."""
