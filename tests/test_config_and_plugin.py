@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
@@ -55,6 +59,30 @@ def test_bad_mode_value_is_named():
 def test_wrong_type_is_named():
     with pytest.raises(ConfigError, match=r"ainfer_pd.mode=3 must be of type str"):
         AInferPDConfig.from_dict({"mode": 3})
+
+
+def test_the_packages_info_logs_reach_vllms_handler_once():
+    """In a fresh process, as in each vLLM process: before the plugin registers, the package's INFO
+    records are dropped (no handler); after it, they print once, in vLLM's format."""
+    script = (
+        "import logging\n"
+        "log = logging.getLogger('vllm_ainfer_pd.worker.p_lane')\n"
+        "import vllm.logger\n"
+        "log.info('before-register')\n"
+        "from vllm_ainfer_pd.plugin import register\n"
+        "register(); register()\n"
+        "log.info('after-register %d', 7)\n"
+        "log.debug('below-vllms-level')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout + out.stderr
+    assert "before-register" not in printed
+    lines = [line for line in printed.splitlines() if "after-register 7" in line]
+    assert len(lines) == 1, printed
+    assert lines[0].startswith("INFO ") and "[<string>:7]" in lines[0], lines[0]
+    assert "below-vllms-level" not in printed
 
 
 @pytest.fixture

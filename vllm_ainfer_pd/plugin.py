@@ -31,12 +31,27 @@ def check_vllm_version(found: str) -> None:
         )
 
 
+def log_through_vllm() -> None:
+    """Send this package's log records to vLLM's handlers, at vLLM's level, so the lane's messages
+    (stream priorities, the periodic lane summary, failed epochs) appear in `vllm serve` output in
+    vLLM's format, or wherever VLLM_LOGGING_CONFIG_PATH sends them. Without it the package logger
+    has no handler and Python's last-resort handler drops everything below WARNING."""
+    ours, theirs = logging.getLogger("vllm_ainfer_pd"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:  # done already, or vLLM's logging is turned off
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False  # vLLM's handlers are ours now; the root's would print twice
+
+
 def register() -> None:
     """Entry point. Idempotent and cheap: it runs in every vLLM process, the API server too."""
     from vllm.v1.executor.abstract import Executor
 
     from vllm_ainfer_pd.connector import register_connector
 
+    log_through_vllm()
     register_connector()  # the P lane's KV connector, resolved by name in every process
     if getattr(Executor.get_class, "_ainfer_pd", False):
         return
