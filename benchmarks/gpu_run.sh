@@ -22,6 +22,8 @@
 #   profile1   pd under the gpu-quick rollout (waits x $WAIT_SCALE, default 0.1) with vLLM's torch
 #              profiler over engine steps $PROFILE_DELAY.. (+$PROFILE_ITERS): benchmarks/profile_lane.py
 #              reads P's kernel time overlapped by D's and P's blocking host calls
+#   residency  one GPU, no vLLM: benchmarks/residency_stall.py (the residency condition of the
+#              crossed-cycle hang; also runs without the pack: python3 benchmarks/residency_stall.py)
 #   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
 #   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
@@ -156,6 +158,9 @@ for job in "$@"; do
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
                --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
                --variant "$V_PD_DHIGH" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+    residency) CUDA_VISIBLE_DEVICES=0 timeout -k 5 $T python3 benchmarks/residency_stall.py \
+                 --out $OUT/residency_stall.json > /tmp/gpu-logs/residency.log 2>&1
+               echo "== residency: rc=$?"; tail -12 /tmp/gpu-logs/residency.log ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \
                --model .gpu/tiny --requests 128 --max-tokens 1024 --reps 7 \
                --out $OUT/decode_overhead_tp1.json > /tmp/gpu-logs/decode1.log 2>&1
