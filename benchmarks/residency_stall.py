@@ -80,7 +80,7 @@ def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float) -> dict:
     if stalled:
         print(f"  STALL at {per_sm} CTAs/SM (num_warps={num_warps}): wait graph\n"
               f"    P: spin ({grid} CTAs, {per_sm}/SM on {sms} SMs) waits for D's flag\n"
-              f"    D: set_flag (1 CTA, stream priority {d_priority}) waits for a free CTA slot,"
+              f"    D: set_flag (1 CTA, stream priority {d_stream.priority}) waits for a free CTA slot,"
               f" all held by P\n"
               f"    releasing P through the copy engine", flush=True)
         with torch.cuda.stream(release_stream):
@@ -91,7 +91,7 @@ def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float) -> dict:
     seen = seen.cpu()
     return {
         "ctas_per_sm": per_sm, "num_warps": num_warps, "grid": grid, "sms": sms,
-        "residency_limit": residency_limit(num_warps), "d_stream_priority": d_priority,
+        "residency_limit": residency_limit(num_warps), "d_stream_priority": d_stream.priority,
         "stalled": stalled, "seconds_to_end": round(waited, 4),
         "ctas_ended_by_d_flag": int((seen == 1).sum()),
         "ctas_ended_by_release": int((seen >= 2).sum()),
