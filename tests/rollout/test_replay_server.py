@@ -10,7 +10,12 @@ import pytest
 
 from vllm_ainfer_pd.rollout import backend_metrics
 from vllm_ainfer_pd.rollout.metrics import quantile, summarize
-from vllm_ainfer_pd.rollout.replayer import ReplayConfig, ReplayError, replay
+from vllm_ainfer_pd.rollout.replayer import (
+    CLIENT_KEEPALIVE_S,
+    ReplayConfig,
+    ReplayError,
+    replay,
+)
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn, dump_trace, increment_ids
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
@@ -121,6 +126,15 @@ def test_cli_replay_prints_the_summary(tiny_server, tmp_path):
     assert '"completed": 9' in out.stdout
     assert "vllm_ainfer_pd_* counters: n/a" in out.stdout  # stock exports none
     assert len(json.loads((tmp_path / "r.json").read_text())["records"]) == 9
+
+
+def test_the_client_drops_idle_connections_before_vllm_serve_closes_them():
+    """A pooled connection reused just as the server's keep-alive closes it fails the request with
+    "Server disconnected"; the replayer's keep-alive must end first, with margin for scheduling."""
+    import vllm.envs
+
+    assert CLIENT_KEEPALIVE_S <= vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2, (
+        CLIENT_KEEPALIVE_S, vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 
 def test_unreachable_server_is_one_clear_error(dead_url):

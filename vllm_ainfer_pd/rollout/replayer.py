@@ -26,6 +26,12 @@ import aiohttp
 
 from vllm_ainfer_pd.rollout.trace import Trace, TraceError, Trajectory, increment_ids
 
+# Idle pooled connections older than this are not reused. It must stay below the server's keep-alive
+# (`vllm serve`: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s; aiohttp's own default is 15 s): otherwise a
+# request sent on a connection idle for ~5 s can cross the server's close and fail with
+# "Server disconnected" before the server reads it (seen once in a CPU TP=2 x DP=2 replay).
+CLIENT_KEEPALIVE_S = 2.0
+
 
 class ReplayError(RuntimeError):
     pass
@@ -251,7 +257,7 @@ class _Counter:
 
 async def replay_async(trace: Trace, cfg: ReplayConfig) -> ReplayResult:
     """Replay `trace` once; ReplayError if the server is unreachable or too small for the trace."""
-    connector = aiohttp.TCPConnector(limit=cfg.concurrency)
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector) as session:
         served, max_len = await probe(session, cfg.url)
         if max_len is not None:
