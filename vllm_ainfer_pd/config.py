@@ -61,7 +61,8 @@ class AInferPDConfig:
     # GPU only: `high` moves vLLM's compute stream (D's graph replays and eager kernels) to CUDA's
     # highest stream priority, so where D and P both have thread blocks waiting for SMs the
     # hardware dispatches D's first; P's stream keeps the default, lowest priority. `default`
-    # leaves both streams equal (stock vLLM's stream).
+    # leaves both streams equal (stock vLLM's stream). Not the default: on 1 x H200 `high` gained
+    # nothing beyond run-to-run spread (benchmarks/results/gpu/README.md, eighth session).
     d_stream_priority: str = "default"
 
     def __post_init__(self) -> None:
