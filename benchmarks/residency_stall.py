@@ -15,6 +15,11 @@ wait graph and releases `spin` through a host-to-device copy on a third stream (
 needs no SM), so every trial ends cleanly. A D stream of higher priority does not help: priority
 orders CTAs waiting for a slot, and no slot frees while `spin` waits.
 
+The fix's stand-in (`routed`): the selective route enqueues P's crossing collective on D's stream,
+and the turnstile makes every rank enqueue it after the same D iteration. Stream order then runs
+`set_flag` before `spin` on every rank, so no CTA waits for another while holding a slot, and the
+trial ends at the residency limit too.
+
     python3 benchmarks/residency_stall.py --out residency.json     (GPU; needs torch + triton)
 """
 
@@ -53,7 +58,7 @@ def residency_limit(num_warps: int) -> int:
     return min(BLOCKS_PER_SM, props.max_threads_per_multi_processor // (32 * num_warps))
 
 
-def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float) -> dict:
+def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float, routed: bool) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = per_sm * sms
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -66,17 +71,25 @@ def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float) -> dict:
     p_done, d_done = torch.cuda.Event(), torch.cuda.Event()
     torch.cuda.synchronize()
 
-    with torch.cuda.stream(p_stream):
-        spin[(grid,)](flag, release, seen, num_warps=num_warps)
-        p_done.record()
-    time.sleep(0.05)  # let P's CTAs take their slots first, as a collective already in flight does
     start = time.perf_counter()
-    with torch.cuda.stream(d_stream):
-        set_flag[(1,)](flag, num_warps=num_warps)
-        d_done.record()
-    while not d_done.query() and time.perf_counter() - start < stall_s:
+    if routed:  # D's iteration, then P's collective behind it on the same stream
+        with torch.cuda.stream(d_stream):
+            set_flag[(1,)](flag, num_warps=num_warps)
+            d_done.record()
+            spin[(grid,)](flag, release, seen, num_warps=num_warps)
+            p_done.record()
+    else:
+        with torch.cuda.stream(p_stream):
+            spin[(grid,)](flag, release, seen, num_warps=num_warps)
+            p_done.record()
+        time.sleep(0.05)  # let P's CTAs take their slots first, as a collective in flight does
+        start = time.perf_counter()
+        with torch.cuda.stream(d_stream):
+            set_flag[(1,)](flag, num_warps=num_warps)
+            d_done.record()
+    while not (d_done.query() and p_done.query()) and time.perf_counter() - start < stall_s:
         time.sleep(0.001)
-    stalled = not d_done.query()
+    stalled = not (d_done.query() and p_done.query())
     if stalled:
         print(f"  STALL at {per_sm} CTAs/SM (num_warps={num_warps}): wait graph\n"
               f"    P: spin ({grid} CTAs, {per_sm}/SM on {sms} SMs) waits for D's flag\n"
@@ -92,6 +105,7 @@ def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float) -> dict:
     return {
         "ctas_per_sm": per_sm, "num_warps": num_warps, "grid": grid, "sms": sms,
         "residency_limit": residency_limit(num_warps), "d_stream_priority": d_stream.priority,
+        "routed": routed,
         "stalled": stalled, "seconds_to_end": round(waited, 4),
         "ctas_ended_by_d_flag": int((seen == 1).sum()),
         "ctas_ended_by_release": int((seen >= 2).sum()),
@@ -100,7 +114,7 @@ def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--stall-s", type=float, default=2.0,
                         help="how long D's kernel may wait before the watchdog calls it a stall")
     parser.add_argument("--out", required=True, help="JSON file for the trials")
@@ -115,11 +129,13 @@ def main() -> None:
                    num_warps=num_warps)
         set_flag[(1,)](warm, num_warps=num_warps)
         torch.cuda.synchronize()
-        cases = [(limit - 1, 0), (limit, 0), (limit, highest)]
-        for per_sm, priority in cases:
-            result = trial(per_sm, num_warps, priority, args.stall_s)
-            print(f"num_warps={num_warps} {per_sm:2d} CTAs/SM (limit {limit}), D priority "
-                  f"{priority}: {'STALL' if result['stalled'] else 'no stall'}, ended in "
+        cases = [(limit - 1, 0, False), (limit, 0, False), (limit, highest, False),
+                 (limit, 0, True)]
+        for per_sm, priority, routed in cases:
+            result = trial(per_sm, num_warps, priority, args.stall_s, routed)
+            how = "routed onto D's stream" if routed else f"D priority {priority}"
+            print(f"num_warps={num_warps} {per_sm:2d} CTAs/SM (limit {limit}), {how}: "
+                  f"{'STALL' if result['stalled'] else 'no stall'}, ended in "
                   f"{result['seconds_to_end']:.4f} s", flush=True)
             trials.append(result)
     report = {"gpu": props.name, "sms": props.multi_processor_count,
