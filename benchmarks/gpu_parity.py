@@ -52,6 +52,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compilation-config", type=json.loads, default=None,
                         help="JSON for both engines, e.g. "
                              "'{\"pass_config\": {\"fuse_allreduce_rms\": false}}'")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="JSON for both engines (offline TP layouts), e.g. "
+                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'; "
+                             "the report then has each engine's draft and acceptance counts")
     return parser.parse_args()
 
 
@@ -89,6 +93,9 @@ def summary(result: dict) -> str:
                  f"segments={lane.get('segments')} after_d={lane.get('segments_after_d')} "
                  f"p_tokens={lane.get('p_tokens')} inflight={lane.get('inflight')} "
                  f"p_workspace_bytes={rank.get('p_workspace_bytes')}")
+    for engine in ("stock", "ours"):
+        if f"{engine}_spec_decode" in result:
+            head += f"\n  {engine} speculative decoding: {result[f'{engine}_spec_decode']}"
     for name, value in sorted((result.get("ours_lane_metrics") or {}).items()):
         head += f"\n  {name} {value}"
     return head
@@ -118,6 +125,8 @@ def offline_parity(args, result: dict) -> None:
         engine_args["load_format"] = args.load_format
     if args.compilation_config is not None:
         engine_args["compilation_config"] = args.compilation_config
+    if args.speculative_config is not None:
+        engine_args.update(speculative_config=args.speculative_config, disable_log_stats=False)
     ours_args = dict(engine_args, distributed_executor_backend="ainfer_pd")
     if args.additional_config is not None:
         ours_args["additional_config"] = args.additional_config
@@ -142,6 +151,8 @@ def offline_parity(args, result: dict) -> None:
         ours_out = run_waves(ours, waves, args.max_tokens)
         result["ours_waves_s"] = time.time() - t0
         result["ours_workers_after"] = ours.worker_status()  # the lane's counters per rank
+        if args.speculative_config is not None:
+            result["ours_spec_decode"] = ours.spec_decode_counts()
         for rank in result["ours_workers_after"]:
             lane = rank.get("p_lane") or {}
             if lane.get("jobs_done") and rank.get("p_workspace_bytes") == 0:
@@ -150,6 +161,8 @@ def offline_parity(args, result: dict) -> None:
                     f"workspace manager holds 0 bytes")
     finally:
         ours_llm.llm_engine.engine_core.shutdown()
+    if args.speculative_config is not None:  # before teacher forcing adds its own steps
+        result["stock_spec_decode"] = stock.spec_decode_counts()
     report = compare(prompts, stock_out, ours_out, stock.teacher_force)
     stock_llm.llm_engine.engine_core.shutdown()
     result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)

@@ -4,6 +4,8 @@
 # Jobs (each writes $OUT/<job>.json and logs; all logs end up in $OUT/logs.tar.gz):
 #   tp1        TP=1 bf16 and float32, P lane on (one per GPU in parallel where there are 2)
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
+#   tp1spec    TP=1 bf16, P lane on, speculative decoding on both engines: vLLM's n-gram drafter,
+#              then the tiny model drafting for itself (draft and acceptance counts per engine)
 #   tp1dhigh   TP=1 bf16, P lane on, D's stream at high priority (d_stream_priority="high")
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
@@ -119,6 +121,11 @@ for job in "$@"; do
     tp1) tp1 ;;
     tp1dhigh) parity tp1_bfloat16_dhigh 0 --model .gpu/tiny --tp 1 --dtype bfloat16 \
                 --additional-config '{"ainfer_pd": {"p_lane_min_tokens": 32, "d_stream_priority": "high"}}' ;;
+    tp1spec)
+      parity tp1_bfloat16_ngram 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+      parity tp1_bfloat16_draft 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
+        --speculative-config '{"method": "draft_model", "model": ".gpu/tiny", "num_speculative_tokens": 3}' ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;

@@ -177,3 +177,25 @@ def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
     (before, jobs_before), (after, jobs_after) = rollouts["before"], rollouts["after"]
     assert sum(a != b for a, b in zip(before, after)) >= len(PROMPTS) // 2  # the update took
     assert jobs_before >= 8 and jobs_after - jobs_before >= 8  # both rollouts used the lane
+
+
+def test_speculative_decoding_with_a_draft_model_matches_stock(tiny_model):
+    """A drafter model (the tiny model drafting for itself) adds its own attention layers to
+    vLLM's forward context; P runs the target model only, so the lane must stop at the target's
+    layers alone (the engine failed to start before). Greedy outputs equal stock's with the same
+    drafter, and our engine proposed and verified drafts beside the lane."""
+    spec = {"speculative_config": {"method": "draft_model", "model": tiny_model,
+                                   "num_speculative_tokens": 3},
+            "disable_log_stats": False}
+    with offline_llm(tiny_model, 1, **spec) as stock:
+        stock_out = run_waves(stock, WAVES, MAX_TOKENS)
+        with offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=LANE_ON,
+                         **spec) as ours:
+            ours_out = run_waves(ours, WAVES, MAX_TOKENS)
+            status = ours.worker_status()
+            drafts = ours.spec_decode_counts()
+        report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    print(report, drafts, status[0]["p_lane"])
+    assert report.fail == 0, report
+    assert_lane_overlapped_d(status)
+    assert drafts["draft_tokens"] > 0 and drafts["accepted_tokens"] > 0, drafts

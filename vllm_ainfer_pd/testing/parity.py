@@ -129,6 +129,13 @@ class LLMRunner:
         """Every rank's `AInferPDWorker.ainfer_pd_status()` (fails on a stock engine)."""
         return self.llm.collective_rpc("ainfer_pd_status")
 
+    def spec_decode_counts(self) -> dict[str, int]:
+        """vLLM's speculative-decoding counters (`drafts`, `draft_tokens`, `accepted_tokens`);
+        the engine needs `disable_log_stats=False`."""
+        prefix = "vllm:spec_decode_num_"
+        return {m.name[len(prefix):]: m.value for m in self.llm.get_metrics()
+                if m.name.startswith(prefix) and isinstance(getattr(m, "value", None), int)}
+
 
 class ServerRunner:
     """Generation and teacher forcing through `/v1/completions` with the OpenAI Python client."""

@@ -244,10 +244,23 @@ class PLane:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
         from vllm.model_executor.models.utils import extract_layer_index
 
+        # vLLM's forward context also holds a speculative drafter's attention layers, which P
+        # never runs: keep the target model's.
+        target = {id(m) for m in self.model.modules()}
         by_layer: dict[int, list[Any]] = collections.defaultdict(list)
+        drafter_layers = 0
         for name, module in self.vllm_config.compilation_config.static_forward_context.items():
-            if isinstance(module, AttentionLayerBase) and hasattr(module, "impl"):
+            if not (isinstance(module, AttentionLayerBase) and hasattr(module, "impl")):
+                continue
+            if id(module) in target:
                 by_layer[extract_layer_index(name)].append(module)
+            else:
+                drafter_layers += 1
+        if drafter_layers and self.rank == 0:
+            logger.warning(
+                "P lane: P runs the target model only, so the speculative drafter (%d attention "
+                "layers) sees none of a lane prompt's tokens before its last; its drafts for those "
+                "requests may be accepted less often (outputs are unchanged)", drafter_layers)
         if (sorted(by_layer) != list(range(len(by_layer)))
                 or any(len(m) != 1 for m in by_layer.values())):
             raise TypeError(
