@@ -17,8 +17,9 @@ import sys
 import time
 
 
-def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int):
-    from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
+def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int,
+                speculative_config: dict | None = None):
+    from vllm_ainfer_pd.rollout.backend_metrics import by_rank, parse, read_metrics_text
     from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
     from vllm_ainfer_pd.testing.parity import ServerRunner, run_waves
     from vllm_ainfer_pd.testing.server import VllmServer
@@ -28,12 +29,16 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
         "--additional-config", json.dumps({"ainfer_pd": lane})]
     if dp > 1:
         args += ["--data-parallel-size", str(dp), "--enable-expert-parallel"]
+    if speculative_config is not None:
+        args += ["--speculative-config", json.dumps(speculative_config)]
     start = time.time()
     with VllmServer(model, args, cpu_env(tp * dp), name=f"parity-{lane['mode']}") as srv:
         up = time.time() - start
         out = run_waves(ServerRunner(srv.url, model), waves, max_tokens)
-        series = by_rank(read_metrics_text(srv.url))
-    return out, {"startup_s": round(up, 1), "lane_by_rank": series}
+        text = read_metrics_text(srv.url)
+    spec = {k: v for k, v in parse(text).items() if k.startswith("vllm:spec_decode")}
+    return out, {"startup_s": round(up, 1), "lane_by_rank": by_rank(text),
+                 **({"spec_decode": spec} if speculative_config is not None else {})}
 
 
 def main() -> None:
@@ -44,6 +49,9 @@ def main() -> None:
     parser.add_argument("--p-host", default="auto", help="the lane's p_host (docs/worker.md)")
     parser.add_argument("--segment-policy", default=None,
                         help="the lane's segment_policy (default: the backend's, docs/worker.md)")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="JSON for both servers, e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 3}' (the teacher forcer has none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -54,7 +62,8 @@ def main() -> None:
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
     result: dict = {"layout": {"tp": args.tp, "dp": args.dp, "expert_parallel": args.dp > 1},
-                    "p_host": args.p_host, "segment_policy": args.segment_policy}
+                    "p_host": args.p_host, "segment_policy": args.segment_policy,
+                    "speculative_config": args.speculative_config}
     lane = {"p_lane_min_tokens": 32, "p_host": args.p_host}
     if args.segment_policy is not None:
         lane["segment_policy"] = args.segment_policy
@@ -62,7 +71,7 @@ def main() -> None:
     for mode in ("pd", "normal"):
         print(f"[serve-parity] mode={mode} TP={args.tp} DP={args.dp}", file=sys.stderr, flush=True)
         outs[mode], result[mode] = serve_waves(model, args.tp, args.dp, {"mode": mode, **lane},
-                                               waves, args.max_tokens)
+                                               waves, args.max_tokens, args.speculative_config)
     with offline_llm(model, 1) as stock:
         report = compare(prompts, outs["normal"], outs["pd"], stock.teacher_force)
         vs_stock = compare(prompts, run_waves(stock, waves, args.max_tokens), outs["pd"],

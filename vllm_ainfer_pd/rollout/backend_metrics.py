@@ -3,7 +3,7 @@
 Two families: the ainfer_pd backend's (`vllm_ainfer_pd_*`: D wait, P wait-for-permit, segments per
 epoch, rendezvous time; present only when that backend exports them) and a few of vLLM's engine
 counters that every backend has (preemptions, prompt tokens computed vs served from the prefix
-cache). Series are summed over their labels (engines, ranks): the paper reports rank-aggregated
+cache, and with speculative decoding its draft and accepted tokens). Series are summed over their labels (engines, ranks): the paper reports rank-aggregated
 totals. Counters and histogram sums/counts are reported as after - before; gauges as after.
 Nothing is invented: a metric the server does not export is absent from the result.
 """
@@ -14,7 +14,10 @@ import urllib.request
 
 PREFIX = "vllm_ainfer_pd_"
 ENGINE = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total",
-          "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total")
+          "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total",
+          # with speculative decoding: a drafter never sees a lane prompt's tokens before its last
+          "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+          "vllm:spec_decode_num_accepted_tokens_total")
 _ACCUMULATING = ("_total", "_sum", "_count")
 
 
