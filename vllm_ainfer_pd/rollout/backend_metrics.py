@@ -4,8 +4,9 @@ Two families: the ainfer_pd backend's (`vllm_ainfer_pd_*`: D wait, P wait-for-pe
 epoch, rendezvous time; present only when that backend exports them) and a few of vLLM's engine
 counters that every backend has (preemptions, prompt tokens computed vs served from the prefix
 cache, and with speculative decoding its draft and accepted tokens). Series are summed over their
-labels (engines, ranks): the paper reports rank-aggregated totals. Counters and histogram sums/counts are reported as after - before; gauges as after.
-Nothing is invented: a metric the server does not export is absent from the result.
+labels (engines, ranks): the paper reports rank-aggregated totals. Counters and histogram
+sums/counts are reported as after - before; gauges as after. Nothing is invented: a metric the
+server does not export is absent from the result.
 """
 
 from __future__ import annotations
