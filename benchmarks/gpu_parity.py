@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compilation-config", type=json.loads, default=None,
                         help="JSON for both engines, e.g. "
                              "'{\"pass_config\": {\"fuse_allreduce_rms\": false}}'")
+    parser.add_argument("--long-prompts", action="store_true",
+                        help="prompts of up to 1,500 tokens, turns adding 536-655 (parity_waves)")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help="JSON for both engines (offline TP layouts), e.g. "
                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'; "
@@ -130,7 +132,7 @@ def offline_parity(args, result: dict) -> None:
     ours_args = dict(engine_args, distributed_executor_backend="ainfer_pd")
     if args.additional_config is not None:
         ours_args["additional_config"] = args.additional_config
-    waves = parity_waves(vocab_size=512)
+    waves = parity_waves(vocab_size=512, long=args.long_prompts)
     prompts = [p for w in waves for p in w]
     result.update(versions=versions(), engine_args=engine_args,
                   ours_additional_config=args.additional_config)
@@ -205,7 +207,7 @@ def serve_parity(args, result: dict) -> None:
     ours_flags = flags + ["--distributed-executor-backend", "ainfer_pd"]
     if args.additional_config is not None:
         ours_flags += ["--additional-config", json.dumps(args.additional_config)]
-    waves = parity_waves(vocab_size=512)
+    waves = parity_waves(vocab_size=512, long=args.long_prompts)
     prompts = [p for w in waves for p in w]
     result.update(versions=versions(), flags=flags, ours_flags=ours_flags)
     log_dir = os.environ.get("GPU_PARITY_LOG_DIR")

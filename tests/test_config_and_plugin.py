@@ -146,3 +146,17 @@ def test_lora_is_refused_with_the_lane_and_allowed_without(vllm_config):
         AInferPDExecutor.validate(vllm_config)
     vllm_config.additional_config = {"ainfer_pd": {"mode": "normal"}}
     assert AInferPDExecutor.validate(vllm_config).mode == "normal"
+
+
+def test_model_runner_v2_is_refused_with_the_variable_that_turns_it_off(vllm_config, monkeypatch):
+    """vLLM picks Model Runner V2 on GPU for dense models and some MoE architectures unless
+    VLLM_USE_V2_MODEL_RUNNER=0; the CPU platform cannot build a V2 config (no Triton), so the
+    variable is set after this V1 config was built, as vLLM's property reads it each time."""
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    assert AInferPDExecutor.validate(vllm_config).mode == "pd"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_config.use_v2_model_runner
+    with pytest.raises(ConfigError, match=r"selects Model Runner V2 \(vLLM's default for "
+                                          r"Qwen3MoeForCausalLM\); set VLLM_USE_V2_MODEL_RUNNER=0"):
+        AInferPDExecutor.validate(vllm_config)

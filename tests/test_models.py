@@ -61,3 +61,24 @@ def test_gpu_preset_writes_config_only(tmp_path):
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_preset("huge")
+
+
+def test_mla_preset_is_a_deepseek_v3_checkpoint_that_loads_back_unchanged(tmp_path):
+    """vLLM runs MLA on GPUs only, so the lane's MLA parity is a GPU job (`gpu_run.sh tp1mla`).
+    Here: vLLM reads the folder as an MLA MoE model, and Hugging Face's loader, which maps the
+    per-expert checkpoint layout back to its fused experts, gets exactly the generated weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    from vllm.config import ModelConfig
+
+    out = write_model(get_preset("tiny-mla"), tmp_path / "mla", seed=0)
+    model_config = ModelConfig(model=str(out), skip_tokenizer_init=True, dtype="bfloat16")
+    assert model_config.use_mla and model_config.is_moe
+    assert model_config.architectures == ["DeepseekV3ForCausalLM"]
+
+    config = json.loads((out / "config.json").read_text())
+    torch.manual_seed(0)
+    generated = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).to(torch.bfloat16).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+    assert set(loaded) == set(generated)
+    assert all(torch.equal(loaded[k], generated[k]) for k in generated)

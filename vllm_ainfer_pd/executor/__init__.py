@@ -41,6 +41,15 @@ class AInferPDExecutor(MultiprocExecutor):
                 f"ainfer_pd does not support pipeline parallelism "
                 f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
             )
+        if vllm_config.use_v2_model_runner:
+            # vLLM's GPU default for dense models and some MoE architectures; the worker and the P
+            # lane are built on the V1 runner's input batch, attention groups and CUDA graphs.
+            architectures = getattr(vllm_config.model_config, "architectures", None) or ["?"]
+            raise ConfigError(
+                f"ainfer_pd runs on vLLM's V1 GPU model runner, but this configuration selects "
+                f"Model Runner V2 (vLLM's default for {', '.join(architectures)}); set "
+                f"VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         if getattr(parallel, "enable_dbo", False):
             raise ConfigError("ainfer_pd cannot run with dual-batch overlap (--enable-dbo)")
         if parallel.worker_cls not in PLATFORM_WORKERS and parallel.worker_cls != WORKER_CLS:

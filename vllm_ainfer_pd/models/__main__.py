@@ -9,7 +9,7 @@ from vllm_ainfer_pd.models.generate import PRESETS, ensure_model, get_preset, wr
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Generate a random-weight Qwen3-MoE model folder.")
+    parser = argparse.ArgumentParser(description="Generate a random-weight MoE model folder.")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write here (default: the shared cache folder)")

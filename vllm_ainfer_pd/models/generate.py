@@ -1,4 +1,5 @@
-"""Deterministic random-weight Qwen3-MoE checkpoints and a byte-level BPE tokenizer, built locally.
+"""Deterministic random-weight MoE checkpoints (Qwen3-MoE, and DeepSeek-V3 with MLA attention) and a
+byte-level BPE tokenizer, built locally.
 
 Nothing is downloaded: the tokenizer is trained at generation time on `corpus.txt` (shipped in this
 package) and padded with filler tokens to exactly the model's vocabulary, so every id the model can
@@ -32,8 +33,11 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """Shape of a generated Qwen3-MoE model. `weights="dummy"` writes config and tokenizer only:
-    load it with vLLM's `load_format="dummy"` (random weights made on the device; GPU preset)."""
+    """Shape of a generated MoE model. `weights="dummy"` writes config and tokenizer only: load it
+    with vLLM's `load_format="dummy"` (random weights made on the device; GPU preset).
+    `family="deepseek_v3"` is DeepSeek-V3's layout: MLA attention (`num_kv_heads` and `head_dim`
+    unused), one dense first layer, a shared expert, grouped sigmoid routing. vLLM runs MLA on
+    GPUs only."""
 
     name: str
     hidden_size: int
@@ -47,18 +51,23 @@ class ModelPreset:
     vocab_size: int
     max_position_embeddings: int
     weights: str = "random"
+    family: str = "qwen3_moe"
     # Larger than Hugging Face's 0.02, so random logits are less flat (fewer near-ties in parity).
     initializer_range: float = 0.05
 
     def __post_init__(self) -> None:
         if self.weights not in ("random", "dummy"):
             raise ValueError(f"weights must be 'random' or 'dummy', got {self.weights!r}")
+        if self.family not in ("qwen3_moe", "deepseek_v3"):
+            raise ValueError(f"family must be 'qwen3_moe' or 'deepseek_v3', got {self.family!r}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} not a multiple of {self.num_kv_heads}")
 
     def hf_config(self) -> dict:
+        if self.family == "deepseek_v3":
+            return self._deepseek_v3_config()
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -87,6 +96,48 @@ class ModelPreset:
             "torch_dtype": "bfloat16",
         }
 
+    def _deepseek_v3_config(self) -> dict:
+        # MLA's latent and rope widths are DeepSeek-V3's own: vLLM's Hopper MLA decode kernels
+        # (FlashAttention MLA, FlashMLA) take only kv_lora_rank 512 with rope dim 64.
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.moe_intermediate_size * 4,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "num_nextn_predict_layers": 0,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "torch_dtype": "bfloat16",
+        }
+
 
 PRESETS: dict[str, ModelPreset] = {
     # CPU tests and `make rollout`: a few MB, loads in seconds.
@@ -101,6 +152,10 @@ PRESETS: dict[str, ModelPreset] = {
     "gpu": ModelPreset("gpu", hidden_size=2048, num_layers=24, num_experts=64, top_k=8,
                        moe_intermediate_size=768, num_heads=16, num_kv_heads=4, head_dim=128,
                        vocab_size=32768, max_position_embeddings=32768, weights="dummy"),
+    # GPU parity of the lane with MLA attention (DeepSeek-V3's layout); vLLM has no MLA on CPU.
+    "tiny-mla": ModelPreset("tiny-mla", hidden_size=256, num_layers=4, num_experts=16, top_k=4,
+                            moe_intermediate_size=64, num_heads=16, num_kv_heads=16, head_dim=192,
+                            vocab_size=512, max_position_embeddings=4096, family="deepseek_v3"),
 }
 
 
@@ -196,10 +251,14 @@ def write_tokenizer(vocab_size: int, out: Path) -> None:
 def _write_random_weights(config: dict, out: Path, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).to(torch.bfloat16)
+    if config["model_type"] == "deepseek_v3":
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).to(torch.bfloat16)
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).to(torch.bfloat16)
     tensors = {}
     for name, value in model.state_dict().items():
         tensors.update(_per_expert(name, value.detach()))
@@ -208,7 +267,8 @@ def _write_random_weights(config: dict, out: Path, seed: int) -> None:
 
 def _per_expert(name: str, value):
     """Transformers 5 keeps experts fused ([E, 2I, H] gate_up, [E, H, I] down); published Qwen3-MoE
-    checkpoints, and vLLM's loader, use one gate/up/down Linear per expert. Write that layout."""
+    and DeepSeek-V3 checkpoints, and vLLM's loader, use one gate/up/down Linear per expert. Write
+    that layout."""
     prefix, _, leaf = name.rpartition(".experts.")
     if leaf == "gate_up_proj":
         inter = value.shape[1] // 2

@@ -84,20 +84,25 @@ def _judge_suffix(prompt, output, logprobs, first: int, epsilon: float) -> str |
     return None
 
 
-def parity_waves(vocab_size: int, seed: int = 0) -> list[list[list[int]]]:
+def parity_waves(vocab_size: int, seed: int = 0, long: bool = False) -> list[list[list[int]]]:
     """Prompts (token ids) in waves: wave 0 holds single prompts of varied lengths and the first
     turn of each chat; wave k holds turn k of each chat, which extends turn k-1 (an assistant reply
-    and a new user increment), so later waves reuse cached prefixes. Ids avoid special tokens."""
+    and a new user increment), so later waves reuse cached prefixes. Ids avoid special tokens.
+    `long`: prompts of up to 1,500 tokens and turns that add 536-655, past the 512-token chunks
+    that some attention backends (MLA's on Hopper) still run with their decode kernels; total
+    lengths stay under 1,950 tokens."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, vocab_size) for _ in range(n)]
 
-    singles = [tokens(n) for n in (1, 5, 13, 40, 97, 160, 230)]
-    chats = [[tokens(n)] for n in (24, 60, 120)]
+    singles = [tokens(n) for n in ((40, 300, 600, 1100, 1500) if long
+                                   else (1, 5, 13, 40, 97, 160, 230))]
+    chats = [[tokens(n)] for n in ((100, 600) if long else (24, 60, 120))]
+    increment = (520, 640) if long else (8, 48)
     for chat in chats:
         for _ in range(2):
-            chat.append(chat[-1] + tokens(16) + tokens(rng.randrange(8, 48)))
+            chat.append(chat[-1] + tokens(16) + tokens(rng.randrange(*increment)))
     return [singles + [c[0] for c in chats], [c[1] for c in chats], [c[2] for c in chats]]
 
 

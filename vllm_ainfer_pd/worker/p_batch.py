@@ -32,6 +32,7 @@ class PBatchBuilder:
     """Builds `PBatch`es for one model runner's KV cache groups."""
 
     def __init__(self, runner: Any) -> None:
+        self.runner = runner
         self.device = runner.device
         self.vllm_config = runner.vllm_config
         self.groups: list[tuple[int, int, list[Any]]] = []  # (kernel bs, per kv block, builders)
@@ -66,6 +67,7 @@ class PBatchBuilder:
                       slot_mapping={}, num_tokens=num_tokens)
 
     def build(self, jobs: list[PJob]) -> PBatch:
+        jobs = self._in_runner_order(jobs)
         ids = np.concatenate([np.asarray(j.token_ids, dtype=np.int64) for j in jobs])
         positions = np.concatenate([np.arange(j.start, j.end, dtype=np.int64) for j in jobs])
         query_lens = np.array([j.end - j.start for j in jobs], dtype=np.int32)
@@ -117,6 +119,27 @@ class PBatchBuilder:
             slot_mapping=slot_mapping,
             num_tokens=int(ids.shape[0]),
         )
+
+
+    def _in_runner_order(self, jobs: list[PJob]) -> list[PJob]:
+        """The jobs in the order vLLM's runner gives a batch to the attention metadata builders
+        (`reorder_batch_to_split_decodes_and_prefills`): chunks with cached context of at most the
+        runner's threshold of tokens, then longer ones with context, then prompts' first chunks.
+        The builders assume that order: they send the requests before the first one past the
+        threshold to their decode kernels and the rest to their prefill kernels. Out of order, a
+        short chunk behind a long one would take the prefill kernels where stock vLLM takes the
+        decode kernels (MLA: decompressed rather than absorbed attention; the same math, other
+        rounding)."""
+        threshold = getattr(self.runner, "reorder_batch_threshold", None)
+        if threshold is None:
+            return jobs
+
+        def region(job: PJob) -> int:
+            if job.start == 0:
+                return 2
+            return 0 if job.end - job.start <= threshold else 1
+
+        return sorted(jobs, key=region)  # stable: the lane's order within a region
 
 
 def _kernel_blocks(

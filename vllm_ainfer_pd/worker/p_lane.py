@@ -9,9 +9,9 @@ Per rank, once per D iteration, on the worker's main thread:
 A P epoch is one forward of the model (vLLM's compiled graph, without CUDA graphs) over the jobs
 queued when it opens, up to the step token budget: a batched prefill of their uncached prompt
 tokens into their reserved KV blocks. The P thread publishes boundary 0 at the forward's entry and
-boundary i + 1 at layer i's attention call (hooks on the attention impls, outside vLLM's compiled
-pieces); its collectives go on D's stream. The P thread has its own vLLM forward context and
-workspace manager (`phase_state`). Where D waits for P to stop is `p_host` (config):
+boundary i + 1 at layer i's attention call (hooks where vLLM's attention op enters the layer's
+kernels, outside vLLM's compiled pieces); its collectives go on D's stream. The P thread has its
+own vLLM forward context and workspace manager (`phase_state`). Where D waits for P to stop is `p_host` (config):
 - `concurrent` (GPU): a released segment's host work (its kernel launches) runs while the main
   thread goes on with D's step (sampling, the engine's scheduling); D waits for P's stop only in
   the next round's `before_d`, ahead of the pre-D rendezvous;
@@ -241,6 +241,7 @@ class PLane:
         so P runs the same compiled code as a stock prefill and still stops between layers, with
         no collective in flight. D's eager attention calls pay one thread-local lookup.
         Returns the number of boundaries (layers + 1)."""
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
         from vllm.model_executor.models.utils import extract_layer_index
 
@@ -268,7 +269,12 @@ class PLane:
                 f"{type(self.model).__name__} has {dict((i, len(m)) for i, m in by_layer.items())}"
             )
         for index, (module,) in by_layer.items():
-            module.impl.forward = self._stop_before(module.impl.forward, index + 1)
+            if isinstance(module, MLAAttention):
+                # vLLM's MLA op calls the layer's `forward_impl`, which calls the impl's
+                # `forward_mha` / `forward_mqa`; the impl's `forward` never runs.
+                module.forward_impl = self._stop_before(module.forward_impl, index + 1)
+            else:
+                module.impl.forward = self._stop_before(module.impl.forward, index + 1)
         return len(by_layer) + 1
 
     def _stop_before(self, attention: Any, boundary: int) -> Any:
