@@ -54,6 +54,10 @@ def parse_args() -> argparse.Namespace:
                              "'{\"pass_config\": {\"fuse_allreduce_rms\": false}}'")
     parser.add_argument("--long-prompts", action="store_true",
                         help="prompts of up to 1,500 tokens, turns adding 536-655 (parity_waves)")
+    parser.add_argument("--control", choices=["tail"], default=None,
+                        help="no ainfer_pd engine: compare stock with stock computing each "
+                             "prompt's last token in a later step (prompt[:-1] first, prefix "
+                             "cache reset in between), as the P lane does (offline TP layouts)")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help="JSON for both engines (offline TP layouts), e.g. "
                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'; "
@@ -143,6 +147,20 @@ def offline_parity(args, result: dict) -> None:
     t0 = time.time()
     stock_out = run_waves(stock, waves, args.max_tokens)
     result["stock_waves_s"] = time.time() - t0
+    if args.control == "tail":
+        stock_llm.reset_prefix_cache()
+        t0 = time.time()
+        control_out = []
+        for wave in waves:
+            stock.generate([p[:-1] for p in wave if len(p) > 1], 1)
+            control_out += stock.generate(wave, args.max_tokens)
+        result["control_waves_s"] = time.time() - t0
+        report = compare(prompts, stock_out, control_out, stock.teacher_force)
+        stock_llm.llm_engine.engine_core.shutdown()
+        result.update(control="tail", exact=report.exact, tie=report.tie, fail=report.fail,
+                      details=report.details)
+        print(report, flush=True)
+        return
     t0 = time.time()
     ours_llm = LLM(**ours_args)
     ours = LLMRunner(ours_llm)

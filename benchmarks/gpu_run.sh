@@ -10,6 +10,8 @@
 #   tp1mla     TP=1 bf16, P lane on, MLA attention: the tiny-mla preset (DeepSeek-V3's layout),
 #              generated on the machine; default kernels, then VLLM_BATCH_INVARIANT=1
 #   tp1mlalong the same with gpu_parity.py --long-prompts (MLA's prefill kernels, cached context)
+#   tp1mlatail stock vs stock, long prompts, batch-invariant: the second computes each prompt's
+#              last token in a later step, as the lane does (gpu_parity.py --control tail)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   tp1bi tp2bi dp2bi   bf16 parity with VLLM_BATCH_INVARIANT=1 (tp1bi also runs TP=1 without it)
@@ -129,12 +131,16 @@ for job in "$@"; do
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
       parity tp1_bfloat16_draft 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
         --speculative-config '{"method": "draft_model", "model": ".gpu/tiny", "num_speculative_tokens": 3}' ;;
-    tp1mla|tp1mlalong)  # MLA attention (the tiny-mla preset, DeepSeek-V3's layout, generated here):
-      # default kernels, then vLLM's batch-invariant ones; tp1mlalong: --long-prompts, batch-invariant first
+    tp1mla|tp1mlalong|tp1mlatail)
+      # MLA attention (the tiny-mla preset, DeepSeek-V3's layout, generated here): default kernels,
+      # then vLLM's batch-invariant ones; tp1mlalong: --long-prompts, batch-invariant first
       [[ -d /tmp/tiny-mla ]] || python3 -m vllm_ainfer_pd.models --preset tiny-mla --out /tmp/tiny-mla \
         > /tmp/gpu-logs/tiny-mla.log 2>&1
       mla=(0 --model /tmp/tiny-mla --tp 1 --dtype bfloat16 --additional-config "$LANE")
-      if [[ $job == tp1mla ]]; then
+      if [[ $job == tp1mlatail ]]; then  # stock vs stock with each prompt's last token later
+        VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_mla_long_bi_tailcontrol "${mla[@]}" --long-prompts \
+          --control tail
+      elif [[ $job == tp1mla ]]; then
         parity tp1_bfloat16_mla "${mla[@]}"
         VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_mla_bi "${mla[@]}"
       else
