@@ -14,6 +14,7 @@
 #              last token in a later step, as the lane does (gpu_parity.py --control tail)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
+#   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
 #   tp1bi tp2bi dp2bi   bf16 parity with VLLM_BATCH_INVARIANT=1 (tp1bi also runs TP=1 without it)
 #   floor      benchmarks/physical_floor.py --measure on GPU 0 (gpu preset, gpu-quick trace)
 #   bench1     TP=1 rollout: stock + normal (GPU 0) beside pd + pd_k1 (GPU 1), merged report;
@@ -113,6 +114,11 @@ compare() {  # name gpus args...   (one `rollout compare`; SIGINT at the limit s
   echo "== $name: rc=$?"; keep_few_files $name
 }
 
+tiny_mla() {  # the tiny-mla preset (DeepSeek-V3's layout, MLA), generated here once per machine
+  [[ -d /tmp/tiny-mla ]] || python3 -m vllm_ainfer_pd.models --preset tiny-mla --out /tmp/tiny-mla \
+    > /tmp/gpu-logs/tiny-mla.log 2>&1
+}
+
 keep_few_files() {  # only ~8 files per call come back: server logs into logs.tar.gz, records in one
   local dir=$OUT/$1
   cp $dir/server-*.log /tmp/gpu-logs/ 2>/dev/null; rm -f $dir/server-*.log
@@ -134,8 +140,7 @@ for job in "$@"; do
     tp1mla|tp1mlalong|tp1mlatail)
       # MLA attention (the tiny-mla preset, DeepSeek-V3's layout, generated here): default kernels,
       # then vLLM's batch-invariant ones; tp1mlalong: --long-prompts, batch-invariant first
-      [[ -d /tmp/tiny-mla ]] || python3 -m vllm_ainfer_pd.models --preset tiny-mla --out /tmp/tiny-mla \
-        > /tmp/gpu-logs/tiny-mla.log 2>&1
+      tiny_mla
       mla=(0 --model /tmp/tiny-mla --tp 1 --dtype bfloat16 --additional-config "$LANE")
       if [[ $job == tp1mlatail ]]; then  # stock vs stock with each prompt's last token later
         VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_mla_long_bi_tailcontrol "${mla[@]}" --long-prompts \
@@ -160,6 +165,8 @@ for job in "$@"; do
       wait ;;
     tp2bi) VLLM_BATCH_INVARIANT=1 parity tp2_bfloat16_bi 0,1 --model .gpu/tiny --tp 2 --dtype bfloat16 \
              --additional-config "$LANE" --compilation-config '{"pass_config":{"fuse_allreduce_rms":false}}' ;;
+    dp2mla) tiny_mla; VLLM_BATCH_INVARIANT=1 parity dp2_ep_bfloat16_mla_bi 0,1 --model /tmp/tiny-mla \
+              --dp 2 --dtype bfloat16 --additional-config "$LANE" ;;
     dp2bi) VLLM_BATCH_INVARIANT=1 parity dp2_ep_bfloat16_bi 0,1 --model .gpu/tiny --dp 2 --dtype bfloat16 \
              --additional-config "$LANE" ;;
     floor) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/physical_floor.py --model-preset gpu \
