@@ -120,7 +120,6 @@ class PBatchBuilder:
             num_tokens=int(ids.shape[0]),
         )
 
-
     def _in_runner_order(self, jobs: list[PJob]) -> list[PJob]:
         """The jobs in the order vLLM's runner gives a batch to the attention metadata builders
         (`reorder_batch_to_split_decodes_and_prefills`): chunks with cached context of at most the

@@ -11,7 +11,8 @@ queued when it opens, up to the step token budget: a batched prefill of their un
 tokens into their reserved KV blocks. The P thread publishes boundary 0 at the forward's entry and
 boundary i + 1 at layer i's attention call (hooks where vLLM's attention op enters the layer's
 kernels, outside vLLM's compiled pieces); its collectives go on D's stream. The P thread has its
-own vLLM forward context and workspace manager (`phase_state`). Where D waits for P to stop is `p_host` (config):
+own vLLM forward context and workspace manager (`phase_state`). Where D waits for P to stop is
+`p_host` (config):
 - `concurrent` (GPU): a released segment's host work (its kernel launches) runs while the main
   thread goes on with D's step (sampling, the engine's scheduling); D waits for P's stop only in
   the next round's `before_d`, ahead of the pre-D rendezvous;
