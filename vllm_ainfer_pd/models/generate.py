@@ -30,6 +30,9 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The tokenizer's <|endoftext|> (id 0) is begin and end of text; checkpoints are bf16.
+TOKEN_IDS_AND_DTYPE = {"bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16"}
+
 
 @dataclass(frozen=True)
 class ModelPreset:
@@ -78,6 +81,19 @@ class ModelPreset:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            **self._common_config(),
+            "decoder_sparse_step": 1,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_experts_per_tok": self.top_k,
+            "num_experts": self.num_experts,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [],
+            **TOKEN_IDS_AND_DTYPE,
+        }
+
+    def _common_config(self) -> dict:
+        """What both families' configs say alike (in this order, so config.json is unchanged)."""
+        return {
             "hidden_act": "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "initializer_range": self.initializer_range,
@@ -85,15 +101,6 @@ class ModelPreset:
             "tie_word_embeddings": False,
             "rope_theta": 10000.0,
             "attention_bias": False,
-            "decoder_sparse_step": 1,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "num_experts_per_tok": self.top_k,
-            "num_experts": self.num_experts,
-            "norm_topk_prob": True,
-            "mlp_only_layers": [],
-            "bos_token_id": 0,
-            "eos_token_id": 0,
-            "torch_dtype": "bfloat16",
         }
 
     def _deepseek_v3_config(self) -> dict:
@@ -126,16 +133,8 @@ class ModelPreset:
             "norm_topk_prob": True,
             "routed_scaling_factor": 2.5,
             "num_nextn_predict_layers": 0,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False,
-            "rope_theta": 10000.0,
-            "attention_bias": False,
-            "bos_token_id": 0,
-            "eos_token_id": 0,
-            "torch_dtype": "bfloat16",
+            **self._common_config(),
+            **TOKEN_IDS_AND_DTYPE,
         }
 
 
