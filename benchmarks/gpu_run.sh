@@ -40,6 +40,8 @@
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
+#   bench1xmla the same on the gpu-mla preset (MLA, DeepSeek-V3's layout; carry .gpu/gpu-mla),
+#              backends $BENCH1X_ONLY (default stock,pd); output bench1xmla_$BENCH1X_TAG
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
@@ -193,6 +195,8 @@ for job in "$@"; do
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
                --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
                --variant "$V_PD_DHIGH" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+    bench1xmla) compare bench1xmla_${BENCH1X_TAG:-a} 0 --model .gpu/gpu-mla --variant "$V_NORMAL" \
+                  --variant "$V_PD" --variant "$V_GENQ" --only ${BENCH1X_ONLY:-stock,pd} ;;
     residency) CUDA_VISIBLE_DEVICES=0 timeout -k 5 $T python3 benchmarks/residency_stall.py \
                  --out $OUT/residency_stall.json > /tmp/gpu-logs/residency.log 2>&1
                echo "== residency: rc=$?"; tail -12 /tmp/gpu-logs/residency.log ;;

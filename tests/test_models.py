@@ -58,6 +58,16 @@ def test_gpu_preset_writes_config_only(tmp_path):
     assert json.loads((out / "config.json").read_text())["num_experts"] == 64
 
 
+def test_gpu_mla_preset_is_an_mla_moe_config_without_weights(tmp_path):
+    from vllm.config import ModelConfig
+
+    out = write_model(get_preset("gpu-mla"), tmp_path / "gpu-mla")
+    assert not (out / "model.safetensors").exists()
+    model_config = ModelConfig(model=str(out), skip_tokenizer_init=True, dtype="bfloat16")
+    assert model_config.use_mla and model_config.is_moe
+    assert model_config.hf_config.n_routed_experts == 64
+
+
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_preset("huge")

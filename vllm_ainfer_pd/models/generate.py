@@ -155,6 +155,11 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny-mla": ModelPreset("tiny-mla", hidden_size=256, num_layers=4, num_experts=16, top_k=4,
                             moe_intermediate_size=64, num_heads=16, num_kv_heads=16, head_dim=192,
                             vocab_size=512, max_position_embeddings=4096, family="deepseek_v3"),
+    # H200 rollouts on MLA: the `gpu` preset's experts and depth in DeepSeek-V3's layout.
+    "gpu-mla": ModelPreset("gpu-mla", hidden_size=2048, num_layers=24, num_experts=64, top_k=8,
+                           moe_intermediate_size=768, num_heads=16, num_kv_heads=16, head_dim=192,
+                           vocab_size=32768, max_position_embeddings=32768, weights="dummy",
+                           family="deepseek_v3"),
 }
 
 
