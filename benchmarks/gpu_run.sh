@@ -29,7 +29,8 @@
 #              repetitions (default 3), output decodeg_$DECODEG_TAG
 #   profile1   pd under the gpu-quick rollout (waits x $WAIT_SCALE, default 0.1) with vLLM's torch
 #              profiler over engine steps $PROFILE_DELAY.. (+$PROFILE_ITERS): benchmarks/profile_lane.py
-#              reads P's kernel time overlapped by D's and P's blocking host calls
+#              reads P's kernel time overlapped by D's and P's blocking host calls; model
+#              $PROFILE_MODEL (default .gpu/gpu-model; .gpu/gpu-mla for MLA)
 #   residency  one GPU, no vLLM: benchmarks/residency_stall.py (the residency condition of the
 #              crossed-cycle hang; also runs without the pack: python3 benchmarks/residency_stall.py)
 #   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
@@ -217,7 +218,7 @@ for i in range(64):
              echo "== decodeg: rc=$?"; keep_few_files decodeg_${DECODEG_TAG:-a} ;;
     profile1)  # pd under the rollout with vLLM's torch profiler: exact overlap, P's host waits
       CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 90 $T python3 benchmarks/profile_lane.py \
-        --platform gpu --model .gpu/gpu-model --preset gpu-quick --wait-scale ${WAIT_SCALE:-0.1} \
+        --platform gpu --model ${PROFILE_MODEL:-.gpu/gpu-model} --preset gpu-quick --wait-scale ${WAIT_SCALE:-0.1} \
         --delay-iterations ${PROFILE_DELAY:-100} --max-iterations ${PROFILE_ITERS:-300} \
         --out $OUT/profile_tp1 > /tmp/gpu-logs/profile1.log 2>&1
       echo "== profile1: rc=$?"; tail -8 /tmp/gpu-logs/profile1.log
