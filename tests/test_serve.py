@@ -43,6 +43,9 @@ def assert_lane_ran_beside_d(metrics: dict[str, float]) -> None:
     assert metrics.get("vllm_ainfer_pd_p_jobs_done_total", 0) >= 8, metrics
     assert metrics.get("vllm_ainfer_pd_segments_after_d_total", 0) > 0, metrics
     assert metrics.get("vllm_ainfer_pd_p_jobs_failed_total", 0) == 0, metrics
+    # P's thread spent part of its host time on a core, never more than all of it.
+    enqueue = metrics.get("vllm_ainfer_pd_p_enqueue_seconds_total", 0)
+    assert 0 < metrics.get("vllm_ainfer_pd_p_enqueue_cpu_seconds_total", 0) <= enqueue, metrics
 
 
 def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 30.0):

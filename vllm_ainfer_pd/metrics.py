@@ -31,6 +31,9 @@ COUNTERS = {
     "p_permit_wait_s": ("vllm_ainfer_pd_p_permit_wait_seconds", "Time P waited parked for its "
                         "next permit, per rank."),
     "p_enqueue_s": ("vllm_ainfer_pd_p_enqueue_seconds", "Host time P spent issuing segments."),
+    "p_enqueue_cpu_s": ("vllm_ainfer_pd_p_enqueue_cpu_seconds", "Part of P's host time issuing "
+                        "segments that its thread ran on a core (the rest: waiting for the GIL "
+                        "or in blocking calls)."),
     "rendezvous_s": ("vllm_ainfer_pd_rendezvous_seconds", "Time in the all-rank pre-D/post-D "
                      "CPU rendezvous."),
     "segments": ("vllm_ainfer_pd_segments", "P segments released (one per D iteration with P "

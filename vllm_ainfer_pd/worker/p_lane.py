@@ -138,6 +138,9 @@ class LaneStats:
     d_wait_s: float = 0.0  # the main thread waited for P's host work to stop at its permit
     p_permit_wait_s: float = 0.0  # P waited parked for its next permit
     p_enqueue_s: float = 0.0  # P's host time issuing segments
+    # The part of it P's thread ran on a core; the rest it waited: for the GIL, or in a blocking
+    # call (on GPU none is expected: benchmarks/profile_lane.py).
+    p_enqueue_cpu_s: float = 0.0
     rendezvous_s: float = 0.0
     p_collectives_routed: int = 0  # P collectives issued on D's stream (CPU: counted only)
     # With `overlap_timing` on GPU: P's device time and the part of it D overlapped (overlap.py).
@@ -523,16 +526,26 @@ class PLane:
         epoch.reached = boundary
         if self.overlap is not None:
             self.overlap.end("p")
-        now = time.perf_counter()
-        self.stats.p_enqueue_s += now - epoch.timings.get("resumed", now)
+        now = self._count_enqueue(epoch)
         try:
             self.controller.reach(epoch.id, boundary)
         finally:
             resumed = time.perf_counter()
             self.stats.p_permit_wait_s += resumed - now
             epoch.timings["resumed"] = resumed
+            epoch.timings["resumed_cpu"] = time.thread_time()
             if self.overlap is not None:
                 self.overlap.start("p")
+
+    def _count_enqueue(self, epoch: _Epoch) -> float:
+        """Add P's host time since it last resumed, wall and on-core (P's thread only); return
+        the wall clock. The thread clock is read inside the wall clock's span (here first, on
+        resuming last), so the on-core part never exceeds the whole."""
+        cpu = time.thread_time()
+        now = time.perf_counter()
+        self.stats.p_enqueue_s += now - epoch.timings.get("resumed", now)
+        self.stats.p_enqueue_cpu_s += cpu - epoch.timings.get("resumed_cpu", cpu)
+        return now
 
     def _run_epoch(self, epoch: _Epoch) -> None:
         torch.set_num_threads(self._threads)
@@ -542,6 +555,7 @@ class PLane:
         try:
             self.controller.attach(epoch.id, name=threading.current_thread().name)
             epoch.timings["resumed"] = time.perf_counter()
+            epoch.timings["resumed_cpu"] = time.thread_time()
             with torch.inference_mode(), self._stream():
                 self._boundary(epoch, 0)
                 if epoch.chunks or epoch.dp_counts is not None:
@@ -551,7 +565,7 @@ class PLane:
                 if self.p_stream is not None:
                     epoch.event = torch.cuda.Event()
                     epoch.event.record(self.p_stream)
-            self.stats.p_enqueue_s += time.perf_counter() - epoch.timings["resumed"]
+            self._count_enqueue(epoch)
         except BaseException as exc:  # reported to the main thread, which fails the jobs
             error = exc
         finally:
@@ -647,7 +661,8 @@ class PLane:
             f"({s.segments_after_d} after a D forward), jobs done/cancelled/failed "
             f"{s.jobs_done}/{s.jobs_cancelled}/{s.jobs_failed}, {s.p_tokens} P tokens; "
             f"D waited {s.d_wait_s:.3f} s, P parked {s.p_permit_wait_s:.3f} s, "
-            f"P enqueue {s.p_enqueue_s:.3f} s, rendezvous {s.rendezvous_s:.3f} s"
+            f"P enqueue {s.p_enqueue_s:.3f} s ({s.p_enqueue_cpu_s:.3f} s on a core), "
+            f"rendezvous {s.rendezvous_s:.3f} s"
         )
 
     def close(self) -> None:
