@@ -57,6 +57,11 @@ def test_ttft_is_split_by_the_new_tokens_a_turn_brings():
     assert by_kind["later, lane-sized"] == (1, pytest.approx(0.3))
     assert by_kind["later, inline-sized"] == (1, pytest.approx(0.1))
     assert split["last_trajectory"] == "a"
+    # Where the last trajectory's time went, on RECORDS: a's TTFT 0.5 + 0.4, decode 2.0 + 2.0,
+    # the client wait 3.6 - 2.5; its longest turn 5 tokens, 2.0 s from first to final token.
+    assert ttft_by_turn_kind(RECORDS, lane_min_tokens=512)["last_chain"] == {
+        "start_s": 0.0, "ttft_s": pytest.approx(0.9), "decode_s": pytest.approx(4.0),
+        "wait_s": pytest.approx(1.1), "longest_tokens": 5, "longest_s_per_token": 0.5}
     # The burst: a's and b's first turns, 150 prompt tokens, submitted at 1.0, the last first
     # token (b's) at 1.7.
     assert split["burst"] == {"prompt_tokens": 150, "done_s": pytest.approx(0.7),
@@ -76,7 +81,8 @@ def test_ttft_cli_reads_records_files_and_names_a_bad_one(tmp_path, capsys):
     assert "first turns: n=2 p50=0.350" in out and "later, lane-sized: n=0" in out
     assert "later, inline-sized: n=1 p50=0.400" in out
     assert "burst: 20 prompt tokens, last first token at 0.50 s (0.0k tokens/s)" in out
-    assert "ended last: a" in out
+    assert ("ended last: a (from 0.00 s: TTFT 0.90 s, decode 4.00 s, waits 1.10 s; longest turn "
+            "5 tokens at 500.00 ms per token)") in out
     # The records.tar.gz benchmarks/gpu_run.sh brings back: every .jsonl in it, by name.
     import tarfile
 

@@ -191,7 +191,14 @@ def cmd_ttft(args: argparse.Namespace) -> None:
         if burst is not None:
             cells.append(f"burst: {burst['prompt_tokens']} prompt tokens, last first token at "
                          f"{burst['done_s']:.2f} s ({burst['tokens_per_s'] / 1e3:.1f}k tokens/s)")
-        lines.append(f"{name}: " + "; ".join(cells) + f"; ended last: {split['last_trajectory']}")
+        chain = split["last_chain"]
+        if chain is not None:
+            cells.append(
+                f"ended last: {split['last_trajectory']} (from {chain['start_s']:.2f} s: TTFT "
+                f"{chain['ttft_s']:.2f} s, decode {chain['decode_s']:.2f} s, waits "
+                f"{chain['wait_s']:.2f} s; longest turn {chain['longest_tokens']} tokens at "
+                f"{1e3 * chain['longest_s_per_token']:.2f} ms per token)")
+        lines.append(f"{name}: " + "; ".join(cells))
     print("\n".join(lines))
 
 

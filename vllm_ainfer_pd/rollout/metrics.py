@@ -69,7 +69,7 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
 
 def ttft_by_turn_kind(records: Sequence[RequestRecord], lane_min_tokens: int) -> dict[str, Any]:
     """TTFT split by what the server had to prefill, the opening burst's prefill rate, and the
-    trajectory that ended last.
+    trajectory that ended last, with where its time went (`last_chain`).
 
     A later turn's new tokens are its prompt minus the previous turn's prompt and output (the
     prefix-cache hit when nothing was evicted); at `lane_min_tokens` or more they go through the
@@ -106,4 +106,23 @@ def ttft_by_turn_kind(records: Sequence[RequestRecord], lane_min_tokens: int) ->
         burst = {"prompt_tokens": tokens, "done_s": done_s,
                  "tokens_per_s": tokens / done_s if done_s > 0 else math.nan}
     return {"ttft_s": {k: {"n": len(xs), **describe(xs)} for k, xs in kinds.items()},
-            "burst": burst, "last_trajectory": last.trajectory if last else None}
+            "burst": burst, "last_trajectory": last.trajectory if last else None,
+            "last_chain": _chain([r for r in done if last and r.trajectory == last.trajectory])}
+
+
+def _chain(turns: list[RequestRecord]) -> dict[str, Any] | None:
+    """Where the trajectory that ended last spent its time, which is where the makespan went once
+    that trajectory started: its turns' TTFT, their decode (first to final token) and the gaps
+    between one turn's end and the next one's submission (client waits). Also its longest
+    decode, in tokens and seconds per token."""
+    if not turns:
+        return None
+    turns = sorted(turns, key=lambda r: r.turn)
+    longest = max(turns, key=lambda r: r.output_tokens)
+    per_token = ((longest.end_s - longest.first_token_s) / (longest.output_tokens - 1)
+                 if longest.output_tokens > 1 else math.nan)
+    return {"start_s": turns[0].submit_s,
+            "ttft_s": sum(r.first_token_s - r.submit_s for r in turns),
+            "decode_s": sum(r.end_s - r.first_token_s for r in turns),
+            "wait_s": sum(b.submit_s - a.end_s for a, b in zip(turns, turns[1:])),
+            "longest_tokens": longest.output_tokens, "longest_s_per_token": per_token}
