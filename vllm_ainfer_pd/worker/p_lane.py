@@ -138,8 +138,9 @@ class LaneStats:
     d_wait_s: float = 0.0  # the main thread waited for P's host work to stop at its permit
     p_permit_wait_s: float = 0.0  # P waited parked for its next permit
     p_enqueue_s: float = 0.0  # P's host time issuing segments
-    # The part of it P's thread ran on a core; the rest it waited: for the GIL, or in a blocking
-    # call (on GPU none is expected: benchmarks/profile_lane.py).
+    # The part of it P's thread ran on a core (Python, and the CUDA driver's launch work); off a
+    # core it waited for the GIL or slept in a blocking call (on GPU none is expected:
+    # benchmarks/profile_lane.py).
     p_enqueue_cpu_s: float = 0.0
     rendezvous_s: float = 0.0
     p_collectives_routed: int = 0  # P collectives issued on D's stream (CPU: counted only)
