@@ -11,6 +11,7 @@ as a one-token row in the D batch. vLLM hooks used: `get_num_new_matched_tokens`
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
 from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.metrics import PLanePromMetrics, PLaneStats, StatsDelta
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_ainfer_pd.worker.p_lane import PLane
+
+logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "AInferPDConnector"
 JobKey = tuple[str, int]  # (request id, lifetime)
@@ -87,6 +91,26 @@ class DState:
     total_blocks: int = 1
 
 
+def window_prompt_limit(kv_cache_config: KVCacheConfig | None) -> int | None:
+    """The longest prompt the lane can prefill on this KV cache: None, or the smallest attention
+    window of a sliding-window or chunked-local-attention KV cache group.
+
+    For such a group, vLLM gives a request whose prompt KV a connector loads (the lane's
+    admission) the null block for every block before the last token's window, already at
+    allocation. The lane computes the whole prompt, and its later tokens' attention reads the
+    KV of the earlier ones, so a longer prompt's KV would be written to and read from the null
+    block. Models that mix such layers with full attention are not affected: the backend runs
+    without vLLM's hybrid KV cache manager, which then makes every group full attention."""
+    windows = []
+    for group in kv_cache_config.kv_cache_groups if kv_cache_config is not None else []:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(spec.sliding_window)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            windows.append(spec.attention_chunk_size)
+    return min(windows, default=None)
+
+
 def needs_inline_prefill(request: Request) -> bool:
     """Whether a prompt needs more of its prefill than the KV the lane writes: the lane's P
     forward takes token ids only and returns no logits, so prompt logprobs (vLLM also marks them
@@ -102,8 +126,9 @@ class AInferPDConnector(KVConnectorBase_V1):
     Policy, asked once per step for each fresh prompt after vLLM has committed the step's D rows:
     - inline (`(0, False)`): the lane is off (`mode="normal"`), the prompt has fewer than
       `p_lane_min_tokens` uncached tokens, its P already failed in the lane (it recomputes
-      inline, so a broken worker cannot loop a request forever), or it needs what only D's own
-      forward gives (`needs_inline_prefill`);
+      inline, so a broken worker cannot loop a request forever), it needs what only D's own
+      forward gives (`needs_inline_prefill`), or it is longer than an attention window whose
+      earlier blocks vLLM does not keep (`window_prompt_limit`);
     - wait (`(None, False)`, asked again next step; later prompts may still go): another
       prompt's P is writing this prompt's next uncached block (`_prefix_being_written`), the
       lane is full (`max_p_inflight` jobs, P pressure), or reserving the prompt's blocks would
@@ -132,6 +157,12 @@ class AInferPDConnector(KVConnectorBase_V1):
         self._pending: dict[str, int] = {}  # req id -> blocks admitted this step, not allocated
         self._step_blocks = 0  # blocks admitted to the lane this step
         self.block_size = vllm_config.cache_config.block_size
+        self.max_lane_prompt = window_prompt_limit(kv_cache_config)
+        if (self.max_lane_prompt is not None and self.config.p_lane_enabled
+                and role == KVConnectorRole.SCHEDULER):
+            logger.warning("ainfer_pd: the model's KV cache keeps only a %d-token attention "
+                           "window; longer prompts prefill inline, not in the P lane",
+                           self.max_lane_prompt)
         # Worker role: this step's reports (get_finished -> errors -> worker meta, in that order).
         self._reported: list[tuple[PJob, bool]] = []
         self._failed_blocks: set[int] = set()
@@ -147,6 +178,7 @@ class AInferPDConnector(KVConnectorBase_V1):
             or request.request_id in self.failed
             or uncached < self.config.p_lane_min_tokens
             or needs_inline_prefill(request)
+            or (self.max_lane_prompt is not None and request.num_tokens > self.max_lane_prompt)
         ):
             return False
         if self._prefix_being_written(request, num_local_computed):

@@ -37,8 +37,10 @@ def make_scheduler(
     failure_policy: str = "recompute",
     cls: type[Scheduler] = AInferPDScheduler,
     prefix_caching: bool = False,
+    kv_spec: Any = None,
 ) -> AInferPDScheduler:
-    """A real scheduler; `lane` are ainfer_pd options for the connector (None: defaults)."""
+    """A real scheduler; `lane` are ainfer_pd options for the connector (None: defaults);
+    `kv_spec`: the one KV cache group's spec (default: full attention)."""
     register_connector()
     kv_transfer = None
     if connector:
@@ -65,7 +67,7 @@ def make_scheduler(
         kv_cache_groups=[
             KVCacheGroupSpec(
                 ["layer0"],
-                FullAttentionSpec(
+                kv_spec or FullAttentionSpec(
                     block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
                 ),
             )

@@ -47,6 +47,50 @@ def test_long_prompt_given_as_embeddings_goes_inline(tiny_model: str) -> None:
     assert out.kv_connector_metadata.new_jobs == []
 
 
+@pytest.mark.parametrize("window", ["sliding_window", "attention_chunk_size"])
+def test_prompt_longer_than_an_attention_window_whose_blocks_vllm_drops_goes_inline(
+        tiny_model: str, window: str) -> None:
+    """For a sliding-window (or chunked-local) KV cache group, vLLM gives a connector-loaded
+    prompt the null block before its last token's window: the lane would write the earlier
+    tokens' KV there. Prompts of up to the window still take the lane, into real blocks."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    spec_cls = SlidingWindowSpec if window == "sliding_window" else ChunkedLocalAttentionSpec
+    spec = spec_cls(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                    **{window: 96})
+    s = make_scheduler(tiny_model, lane=LANE, kv_spec=spec)
+    assert s.connector.max_lane_prompt == 96
+    longer, within = make_request(200), make_request(96)
+    s.add_request(longer)
+    s.add_request(within)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {longer.request_id: 200}  # inline
+    (job,) = out.kv_connector_metadata.new_jobs
+    assert (job.req_id, job.start, job.end) == (within.request_id, 0, 95)
+    assert s.kv_cache_manager.block_pool.null_block.block_id not in job.block_ids[0]
+
+
+def test_a_model_that_mixes_windowed_and_full_attention_layers_keeps_every_prompt_whole() -> None:
+    """The backend turns vLLM's hybrid KV cache manager off (executor), and vLLM then gives
+    sliding-window layers of such a model full-attention KV blocks: no window limit."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            SlidingWindowSpec)
+
+    from vllm_ainfer_pd.connector import window_prompt_limit
+
+    shape = dict(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    specs = {"windowed": SlidingWindowSpec(**shape, sliding_window=96),
+             "full": FullAttentionSpec(**shape)}
+    unify_hybrid_kv_cache_specs(specs)
+    assert isinstance(specs["windowed"], FullAttentionSpec)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(list(specs), specs["windowed"])])
+    assert window_prompt_limit(config) is None
+
+
 def test_long_prompt_is_parked_with_blocks_reserved_and_no_token_budget(tiny_model: str) -> None:
     s = make_scheduler(tiny_model, lane=LANE)
     initial = free_blocks(s)
