@@ -12,6 +12,8 @@
 #   tp1mlalong the same with gpu_parity.py --long-prompts (MLA's prefill kernels, cached context)
 #   tp1mlatail stock vs stock, long prompts, batch-invariant: the second computes each prompt's
 #              last token in a later step, as the lane does (gpu_parity.py --control tail)
+#   tp1swa     TP=1 bf16, P lane on, the tiny model with a 64-token sliding window on every layer
+#              (one windowed KV cache group: prompts over 64 tokens prefill inline)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -155,6 +157,10 @@ for job in "$@"; do
         VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_mla_long_bi "${mla[@]}" --long-prompts
         parity tp1_bfloat16_mla_long "${mla[@]}" --long-prompts
       fi ;;
+    tp1swa) rm -rf /tmp/tiny-swa && cp -r .gpu/tiny /tmp/tiny-swa && python3 -c 'import json, sys
+c = json.load(open(sys.argv[1])); c.update(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
+            parity tp1_bfloat16_swa 0 --model /tmp/tiny-swa --tp 1 --dtype bfloat16 --additional-config "$LANE" ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
