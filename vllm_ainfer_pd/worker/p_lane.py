@@ -531,17 +531,21 @@ class PLane:
         try:
             self.controller.reach(epoch.id, boundary)
         finally:
-            resumed = time.perf_counter()
-            self.stats.p_permit_wait_s += resumed - now
-            epoch.timings["resumed"] = resumed
-            epoch.timings["resumed_cpu"] = time.thread_time()
+            self.stats.p_permit_wait_s += self._mark_resumed(epoch) - now
             if self.overlap is not None:
                 self.overlap.start("p")
 
+    @staticmethod
+    def _mark_resumed(epoch: _Epoch) -> float:
+        """P (re)starts issuing work: note the wall clock (returned), then P's thread clock."""
+        epoch.timings["resumed"] = resumed = time.perf_counter()
+        epoch.timings["resumed_cpu"] = time.thread_time()
+        return resumed
+
     def _count_enqueue(self, epoch: _Epoch) -> float:
-        """Add P's host time since it last resumed, wall and on-core (P's thread only); return
-        the wall clock. The thread clock is read inside the wall clock's span (here first, on
-        resuming last), so the on-core part never exceeds the whole."""
+        """Add P's host time since `_mark_resumed`, wall and on-core (P's thread only); return
+        the wall clock. The thread clock is read inside the wall clock's span (here first, there
+        last), so the on-core part never exceeds the whole."""
         cpu = time.thread_time()
         now = time.perf_counter()
         self.stats.p_enqueue_s += now - epoch.timings.get("resumed", now)
@@ -555,8 +559,7 @@ class PLane:
         error: BaseException | None = None
         try:
             self.controller.attach(epoch.id, name=threading.current_thread().name)
-            epoch.timings["resumed"] = time.perf_counter()
-            epoch.timings["resumed_cpu"] = time.thread_time()
+            self._mark_resumed(epoch)
             with torch.inference_mode(), self._stream():
                 self._boundary(epoch, 0)
                 if epoch.chunks or epoch.dp_counts is not None:
