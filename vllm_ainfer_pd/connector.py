@@ -148,6 +148,9 @@ class AInferPDConnector(KVConnectorBase_V1):
         self.inflight: dict[str, PJob] = {}  # req id -> its job in flight (one at most)
         self.lifetimes: dict[str, int] = {}  # req id -> lifetime of its next job
         self.failed: set[str] = set()  # req ids whose P failed: they recompute inline
+        # req ids whose job is cancelled while the request lives on (a pause): once the job has
+        # drained, the scheduler returns the request to waiting (`return_to_waiting`).
+        self.returning: set[str] = set()
         # req id -> hashes of the full prompt blocks its P writes (admitted this step or in
         # flight): a prompt whose next uncached block is among them waits for those blocks.
         self._writing: dict[str, frozenset] = {}
@@ -261,8 +264,18 @@ class AInferPDConnector(KVConnectorBase_V1):
         job = self.inflight.get(request.request_id)
         if job is None:
             return False, None
-        self._cancelled.append(job.key)
+        if request.request_id in self.returning:
+            self.returning.discard(request.request_id)  # its cancel is already on its way
+        else:
+            self._cancelled.append(job.key)
         return True, None
+
+    def cancel_to_waiting(self, req_id: str) -> None:
+        """Cancel the job of a request that lives on: the scheduler returns the request to
+        waiting, without blocks, once the worker has reported the job drained."""
+        if req_id not in self.returning:
+            self.returning.add(req_id)
+            self._cancelled.append(self.inflight[req_id].key)
 
     def is_current(self, req_id: str, lifetime: int | None) -> bool:
         """Whether a worker report for (`req_id`, `lifetime`) matches the job in flight; a report
@@ -274,6 +287,7 @@ class AInferPDConnector(KVConnectorBase_V1):
         """The worker reported the job of `req_id` drained (completed, cancelled or failed)."""
         self.inflight.pop(req_id, None)
         self._writing.pop(req_id, None)
+        self.returning.discard(req_id)
         if failed:
             self.failed.add(req_id)
 

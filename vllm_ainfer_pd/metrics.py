@@ -90,6 +90,7 @@ class PLanePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_lane_metrics()
         names = [*labelnames, "rank"]
         self.counters = {
             field: self._counter_cls(name=name, documentation=doc, labelnames=names)
@@ -109,6 +110,18 @@ class PLanePromMetrics(KVConnectorPromMetrics):
                     self.counters[name].labels(*engine, str(rank)).inc(value)
                 elif name in self.gauges:
                     self.gauges[name].labels(*engine, str(rank)).set(value)
+
+
+def _unregister_lane_metrics() -> None:
+    """Drop the lane's collectors of an earlier engine in this process, as vLLM drops its own
+    (`unregister_vllm_metrics`, which keeps only names starting with `vllm:`): a second engine
+    in one process (an RL trainer that rebuilds its rollout engine) would otherwise fail to
+    start on a duplicated time series."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith("vllm_ainfer_pd_"):
+            REGISTRY.unregister(collector)
 
 
 class StatsDelta:

@@ -2,8 +2,9 @@
 "vllm_ainfer_pd.testing.weight_update.WeightUpdate")`, then `llm.collective_rpc("perturb_weights",
 args=(seed,))` between rollouts, as an RL trainer pushes new weights into the rollout engine.
 
-The update is deterministic (a seeded perturbation of every parameter, in place), so a stock
-engine and an ainfer_pd engine that get the same call hold the same weights afterwards.
+The update is deterministic and a function of each weight's value alone (no random stream over a
+tensor's elements), so engines in any layout (TP shards, EP's local experts, kernel packings of
+the same values) that get the same call hold the same weights afterwards as a stock TP=1 engine.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ class WeightUpdate:
     """Mixed into the engine's worker class by vLLM (`worker_extension_cls`)."""
 
     def perturb_weights(self, seed: int, scale: float = 0.05) -> float:
-        """Add `scale * N(0, 1)` noise (seeded per parameter) to every parameter; returns the sum
-        of the new weights (a checksum the caller can compare across engines)."""
+        """Add `scale * sin((997 + seed) * w)` to every weight `w`, in place; returns the sum of
+        this rank's new weights (a checksum the caller can compare across engines of one
+        layout)."""
         model = self.model_runner.model  # `self` is the worker this class is mixed into
         total = 0.0
         with torch.no_grad():
-            for index, (_, param) in enumerate(sorted(model.named_parameters())):
-                gen = torch.Generator().manual_seed(seed * 100_003 + index)
-                noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-                param.add_((scale * noise).to(param.device, param.dtype))
+            for _, param in sorted(model.named_parameters()):
+                noise = torch.sin(param.float() * (997.0 + seed))
+                param.add_((scale * noise).to(param.dtype))
                 total += float(param.float().sum())
         return total
