@@ -14,6 +14,9 @@
 #              last token in a later step, as the lane does (gpu_parity.py --control tail)
 #   tp1swa     TP=1 bf16, P lane on, the tiny model with a 64-token sliding window on every layer
 #              (one windowed KV cache group: prompts over 64 tokens prefill inline)
+#   tp1pause   TP=1 bf16 (batch-invariant), P lane on: benchmarks/gpu_pause.py -- pause_generation
+#              keep (new weights) / wait / abort with P in flight, sleep(level=1) mid-rollout and
+#              wake_up, each request judged against stock vLLM with the same weights
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -161,6 +164,10 @@ for job in "$@"; do
 c = json.load(open(sys.argv[1])); c.update(use_sliding_window=True, sliding_window=64, max_window_layers=0)
 json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
             parity tp1_bfloat16_swa 0 --model /tmp/tiny-swa --tp 1 --dtype bfloat16 --additional-config "$LANE" ;;
+    tp1pause) echo "== pause_tp1: gpu_pause.py"
+            VLLM_BATCH_INVARIANT=1 timeout -k 60 $T python3 benchmarks/gpu_pause.py --model .gpu/tiny \
+              --out $OUT/pause_tp1.json > /tmp/gpu-logs/pause_tp1.log 2>&1
+            echo "== pause_tp1: rc=$?" ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;

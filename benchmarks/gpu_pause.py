@@ -1,0 +1,196 @@
+"""Pausing with P in flight on the GPU (vllm_ainfer_pd/testing/pause_resume.py, as
+tests/test_pause_resume.py does on the CPU), with what only the GPU has: CUDA graphs, vLLM's
+async scheduling and sleep mode.
+
+    python benchmarks/gpu_pause.py --model DIR --out pause.json [--dtype bfloat16]
+
+One ainfer_pd `AsyncLLM` (TP=1, `enable_sleep_mode`, the test weight update mixed into the
+worker): `keep` pause with new weights, `wait`, `abort`, then `sleep(level=1)` in the middle of a
+rollout (vLLM pauses with `abort` first), `wake_up()`, and a fresh rollout. Then stock vLLM with
+the same update judges every request (parity.py's tie rule). Run with VLLM_BATCH_INVARIANT=1 for
+bf16 (the lane's prefill and stock's take different batch shapes). Writes JSON; exit 1 on a
+failed check or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+MAX_TOKENS = 16
+SEED = 5
+
+
+def prompts(seed: int, n: int = 16) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(n)]
+
+
+async def ours_runs(engine_args: dict, lane: dict, sleep: bool) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_ainfer_pd.testing.pause_resume import EXTENSION, lane_status, paused_rollout
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        **engine_args, worker_extension_cls=EXTENSION, enable_sleep_mode=sleep,
+        distributed_executor_backend="ainfer_pd", additional_config=lane))
+    runs: dict = {}
+    try:
+        for n, mode in enumerate(("keep", "wait", "abort")):
+            runs[mode] = await paused_rollout(engine, prompts(n), MAX_TOKENS, mode,
+                                              weight_seed=SEED if mode == "keep" else None,
+                                              request_prefix=mode)
+            print(mode, "paused in", round(runs[mode].pause_s, 3), "s; lane before/at:",
+                  runs[mode].lane_before_pause["inflight"], runs[mode].lane_at_pause["inflight"],
+                  flush=True)
+        if sleep:
+            runs["sleep"] = await sleep_mid_rollout(engine, prompts(3))
+        runs["fresh"] = await fresh(engine, prompts(4))
+        runs["lane"] = await lane_status(engine)
+        runs["all_blocks_free"] = await engine.reset_prefix_cache(reset_running_requests=True)
+    finally:
+        engine.shutdown()
+    return runs
+
+
+async def sleep_mid_rollout(engine, ps: list[list[int]]) -> dict:
+    """`sleep(level=1)` (weights to host memory, KV cache dropped) while P is in flight."""
+    from vllm_ainfer_pd.testing.pause_resume import lane_status
+
+    tasks = [asyncio.create_task(_collect(engine, p, f"sleep{i}")) for i, p in enumerate(ps)]
+    lane = await lane_status(engine)
+    for _ in range(1200):
+        lane = await lane_status(engine)
+        if lane["inflight"] > 0:
+            break
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    await engine.sleep(level=1)
+    slept = time.monotonic() - t0
+    at_sleep = await lane_status(engine)
+    await engine.wake_up()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return {"lane_before": lane["inflight"], "lane_at_sleep": at_sleep["inflight"],
+            "sleep_s": slept, "finish_reasons": [r if isinstance(r, str) else repr(r)
+                                                 for r in results]}
+
+
+async def _collect(engine, prompt: list[int], request_id: str) -> str | None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reason = None
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                     request_id=request_id):
+        reason = out.outputs[0].finish_reason
+    return reason
+
+
+async def fresh(engine, ps: list[list[int]]) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def one(i: int) -> list[int]:
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=ps[i]), params,
+                                         request_id=f"fresh{i}"):
+            pass
+        return list(out.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(ps)))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no-sleep", action="store_true",
+                        help="skip the sleep cycle (vLLM's sleep mode needs CUDA: a CPU smoke run)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    # 64 tokens per step: each prompt is prefilled in parts over several epochs, so the pauses
+    # meet P in flight while earlier prompts decode.
+    engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
+                       max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0)
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32}}
+    result: dict = {"engine_args": engine_args, "ours_additional_config": lane,
+                    "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT"), "checks": {}}
+    failed = []
+    try:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from gpu_parity import versions
+
+        result["versions"] = versions()
+        runs = asyncio.run(ours_runs(engine_args, lane, sleep=not args.no_sleep))
+        failed += judge(runs, engine_args, result)
+    except BaseException as exc:
+        result["error"] = repr(exc)
+        result["traceback"] = traceback.format_exc()
+        failed.append("error")
+    result["failed_checks"] = failed
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps({k: v for k, v in result.items() if k != "traceback"}, default=str)[:3000])
+    return 1 if failed else 0
+
+
+def judge(runs: dict, engine_args: dict, result: dict) -> list[str]:
+    from vllm import LLM
+
+    from vllm_ainfer_pd.testing.parity import LLMRunner, compare
+    from vllm_ainfer_pd.testing.pause_resume import EXTENSION, judge_continuations
+
+    failed = []
+    checks = result["checks"]
+    for n, mode in enumerate(("keep", "wait", "abort")):
+        run = runs[mode]
+        checks[mode] = {"pause_s": run.pause_s, "tokens_before": [len(b) for b in run.before],
+                        "finish_reasons": run.finish_reasons, "errors": run.errors,
+                        "lane_before": run.lane_before_pause, "lane_at_pause": run.lane_at_pause}
+        if run.errors or run.lane_at_pause["inflight"] != 0:
+            failed.append(mode)
+    checks["sleep"] = runs.get("sleep")
+    checks["lane_after"] = runs["lane"]
+    checks["all_blocks_free"] = runs["all_blocks_free"]
+    sleep = runs.get("sleep")
+    if sleep is not None and (sleep["lane_at_sleep"] != 0 or any(
+            r not in ("abort", "length") for r in sleep["finish_reasons"])):
+        failed.append("sleep")
+    stock_llm = LLM(**engine_args, worker_extension_cls=EXTENSION)
+    try:
+        stock = LLMRunner(stock_llm)
+        stock_llm.collective_rpc("perturb_weights", args=(SEED,))
+        for n, mode in enumerate(("keep", "wait")):
+            report = judge_continuations(prompts(n), runs[mode], MAX_TOKENS, stock)
+            checks[mode]["parity"] = {"exact": report.exact, "tie": report.tie,
+                                      "fail": report.fail, "details": report.details}
+            print(mode, report, flush=True)
+            if report.fail:
+                failed.append(f"{mode} parity")
+        report = compare(prompts(4), stock.generate(prompts(4), MAX_TOKENS), runs["fresh"],
+                         stock.teacher_force)
+        checks["fresh_after_sleep"] = {"exact": report.exact, "tie": report.tie,
+                                       "fail": report.fail, "details": report.details}
+        print("fresh after sleep", report, flush=True)
+        if report.fail:
+            failed.append("fresh parity")
+    finally:
+        stock_llm.llm_engine.engine_core.shutdown()
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
