@@ -27,7 +27,8 @@ import traceback
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 MAX_TOKENS = 16
-SEED = 5
+SEED = 5  # the weight update, pushed during the `keep` pause
+PROMPT_SEED = {"keep": 0, "wait": 1, "abort": 2}
 
 
 def prompts(seed: int, n: int = 16) -> list[list[int]]:
@@ -35,24 +36,26 @@ def prompts(seed: int, n: int = 16) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(n)]
 
 
-async def ours_runs(engine_args: dict, lane: dict, sleep: bool) -> dict:
+async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
+                    modes: list[str]) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_ainfer_pd.testing.pause_resume import EXTENSION, lane_status, paused_rollout
 
+    backend = {} if lane is None else dict(distributed_executor_backend="ainfer_pd",
+                                           additional_config=lane)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        **engine_args, worker_extension_cls=EXTENSION, enable_sleep_mode=sleep,
-        distributed_executor_backend="ainfer_pd", additional_config=lane))
+        **engine_args, worker_extension_cls=EXTENSION, enable_sleep_mode=sleep, **backend))
     runs: dict = {}
     try:
-        for n, mode in enumerate(("keep", "wait", "abort")):
-            runs[mode] = await paused_rollout(engine, prompts(n), MAX_TOKENS, mode,
+        for mode in modes:
+            runs[mode] = await paused_rollout(engine, prompts(PROMPT_SEED[mode]), MAX_TOKENS, mode,
                                               weight_seed=SEED if mode == "keep" else None,
                                               request_prefix=mode)
             print(mode, "paused in", round(runs[mode].pause_s, 3), "s; lane before/at:",
-                  runs[mode].lane_before_pause["inflight"], runs[mode].lane_at_pause["inflight"],
-                  flush=True)
+                  runs[mode].lane_before_pause, runs[mode].lane_at_pause, flush=True)
+        runs["fresh_before_sleep"] = await fresh(engine, prompts(4))
         if sleep:
             runs["sleep"] = await sleep_mid_rollout(engine, prompts(3))
         runs["fresh"] = await fresh(engine, prompts(4))
@@ -71,16 +74,18 @@ async def sleep_mid_rollout(engine, ps: list[list[int]]) -> dict:
     lane = await lane_status(engine)
     for _ in range(1200):
         lane = await lane_status(engine)
-        if lane["inflight"] > 0:
+        if lane is None or lane["inflight"] > 0:  # stock: sleep a moment after the start
             break
         await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3 if lane is None else 0)
     t0 = time.monotonic()
     await engine.sleep(level=1)
     slept = time.monotonic() - t0
     at_sleep = await lane_status(engine)
     await engine.wake_up()
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    return {"lane_before": lane["inflight"], "lane_at_sleep": at_sleep["inflight"],
+    return {"lane_before": lane and lane["inflight"],
+            "lane_at_sleep": at_sleep and at_sleep["inflight"],
             "sleep_s": slept, "finish_reasons": [r if isinstance(r, str) else repr(r)
                                                  for r in results]}
 
@@ -117,6 +122,14 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--backend", choices=["ainfer_pd", "stock"], default="ainfer_pd",
+                        help="stock: the same pauses and sleep on stock vLLM (a control)")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help="JSON, extra engine arguments for both engines, e.g. "
+                             "'{\"async_scheduling\": false}'")
+    parser.add_argument("--modes", default="keep,wait,abort",
+                        help="the pauses to run before the fresh rollouts (comma-separated; "
+                             "'' for none)")
     parser.add_argument("--no-sleep", action="store_true",
                         help="skip the sleep cycle (vLLM's sleep mode needs CUDA: a CPU smoke run)")
     args = parser.parse_args()
@@ -124,8 +137,9 @@ def main() -> int:
     # 64 tokens per step: each prompt is prefilled in parts over several epochs, so the pauses
     # meet P in flight while earlier prompts decode.
     engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
-                       max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0)
-    lane = {"ainfer_pd": {"p_lane_min_tokens": 32}}
+                       max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
+                       **args.engine_args)
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32}} if args.backend == "ainfer_pd" else None
     result: dict = {"engine_args": engine_args, "ours_additional_config": lane,
                     "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT"), "checks": {}}
     failed = []
@@ -134,8 +148,9 @@ def main() -> int:
         from gpu_parity import versions
 
         result["versions"] = versions()
-        runs = asyncio.run(ours_runs(engine_args, lane, sleep=not args.no_sleep))
-        failed += judge(runs, engine_args, result)
+        modes = [m for m in args.modes.split(",") if m]
+        runs = asyncio.run(ours_runs(engine_args, lane, not args.no_sleep, modes))
+        failed += judge(runs, engine_args, modes, result)
     except BaseException as exc:
         result["error"] = repr(exc)
         result["traceback"] = traceback.format_exc()
@@ -147,7 +162,7 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def judge(runs: dict, engine_args: dict, result: dict) -> list[str]:
+def judge(runs: dict, engine_args: dict, modes: list[str], result: dict) -> list[str]:
     from vllm import LLM
 
     from vllm_ainfer_pd.testing.parity import LLMRunner, compare
@@ -155,38 +170,41 @@ def judge(runs: dict, engine_args: dict, result: dict) -> list[str]:
 
     failed = []
     checks = result["checks"]
-    for n, mode in enumerate(("keep", "wait", "abort")):
+    for mode in modes:
         run = runs[mode]
         checks[mode] = {"pause_s": run.pause_s, "tokens_before": [len(b) for b in run.before],
                         "finish_reasons": run.finish_reasons, "errors": run.errors,
                         "lane_before": run.lane_before_pause, "lane_at_pause": run.lane_at_pause}
-        if run.errors or run.lane_at_pause["inflight"] != 0:
+        if run.errors or (run.lane_at_pause or {}).get("inflight"):
             failed.append(mode)
     checks["sleep"] = runs.get("sleep")
     checks["lane_after"] = runs["lane"]
     checks["all_blocks_free"] = runs["all_blocks_free"]
     sleep = runs.get("sleep")
-    if sleep is not None and (sleep["lane_at_sleep"] != 0 or any(
+    if sleep is not None and (sleep["lane_at_sleep"] or any(
             r not in ("abort", "length") for r in sleep["finish_reasons"])):
         failed.append("sleep")
     stock_llm = LLM(**engine_args, worker_extension_cls=EXTENSION)
     try:
         stock = LLMRunner(stock_llm)
-        stock_llm.collective_rpc("perturb_weights", args=(SEED,))
-        for n, mode in enumerate(("keep", "wait")):
-            report = judge_continuations(prompts(n), runs[mode], MAX_TOKENS, stock)
+        if "keep" in modes:  # the weights ours had after the keep pause
+            stock_llm.collective_rpc("perturb_weights", args=(SEED,))
+        for mode in [m for m in modes if m != "abort"]:
+            report = judge_continuations(prompts(PROMPT_SEED[mode]), runs[mode], MAX_TOKENS,
+                                         stock)
             checks[mode]["parity"] = {"exact": report.exact, "tie": report.tie,
                                       "fail": report.fail, "details": report.details}
             print(mode, report, flush=True)
             if report.fail:
                 failed.append(f"{mode} parity")
-        report = compare(prompts(4), stock.generate(prompts(4), MAX_TOKENS), runs["fresh"],
-                         stock.teacher_force)
-        checks["fresh_after_sleep"] = {"exact": report.exact, "tie": report.tie,
-                                       "fail": report.fail, "details": report.details}
-        print("fresh after sleep", report, flush=True)
-        if report.fail:
-            failed.append("fresh parity")
+        expected = stock.generate(prompts(4), MAX_TOKENS)
+        for name in ("fresh_before_sleep", "fresh"):
+            report = compare(prompts(4), expected, runs[name], stock.teacher_force)
+            checks[name] = {"exact": report.exact, "tie": report.tie, "fail": report.fail,
+                            "details": report.details}
+            print(name, report, flush=True)
+            if report.fail:
+                failed.append(f"{name} parity")
     finally:
         stock_llm.llm_engine.engine_core.shutdown()
     return failed

@@ -12,11 +12,16 @@
 #   tp1mlalong the same with gpu_parity.py --long-prompts (MLA's prefill kernels, cached context)
 #   tp1mlatail stock vs stock, long prompts, batch-invariant: the second computes each prompt's
 #              last token in a later step, as the lane does (gpu_parity.py --control tail)
-#   tp1swa     TP=1 bf16, P lane on, the tiny model with a 64-token sliding window on every layer
+#   tp1swa     TP=1 $SWA_DT (default bfloat16), P lane on, the tiny model with a 64-token sliding window on every layer
 #              (one windowed KV cache group: prompts over 64 tokens prefill inline)
-#   tp1pause   TP=1 bf16 (batch-invariant), P lane on: benchmarks/gpu_pause.py -- pause_generation
+#   tp1pause   TP=1 $PAUSE_DT (default float32), P lane on (PAUSE_BACKEND=stock: the same on stock, a
+#              control): benchmarks/gpu_pause.py -- pause_generation
 #              keep (new weights) / wait / abort with P in flight, sleep(level=1) mid-rollout and
-#              wake_up, each request judged against stock vLLM with the same weights
+#              wake_up, each request judged against stock vLLM with the same weights (bf16 runs
+#              batch-invariant, but its 64-token steps chunk prompts differently from stock's)
+#   tp1fresh   TP=1 float32, P lane on, gpu_pause.py with no pause and no sleep (two plain rollouts
+#              of 16 prompts on a new engine, 64-token steps), three ways: vLLM's defaults, async
+#              scheduling off, --enforce-eager (the 1-in-16 divergence of 2026-12-02, README)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -163,11 +168,20 @@ for job in "$@"; do
     tp1swa) rm -rf /tmp/tiny-swa && cp -r .gpu/tiny /tmp/tiny-swa && python3 -c 'import json, sys
 c = json.load(open(sys.argv[1])); c.update(use_sliding_window=True, sliding_window=64, max_window_layers=0)
 json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
-            parity tp1_bfloat16_swa 0 --model /tmp/tiny-swa --tp 1 --dtype bfloat16 --additional-config "$LANE" ;;
-    tp1pause) echo "== pause_tp1: gpu_pause.py"
-            VLLM_BATCH_INVARIANT=1 timeout -k 60 $T python3 benchmarks/gpu_pause.py --model .gpu/tiny \
-              --out $OUT/pause_tp1.json > /tmp/gpu-logs/pause_tp1.log 2>&1
-            echo "== pause_tp1: rc=$?" ;;
+            parity tp1_${SWA_DT:-bfloat16}_swa 0 --model /tmp/tiny-swa --tp 1 --dtype ${SWA_DT:-bfloat16} \
+              --additional-config "$LANE" ;;
+    tp1pause) dt=${PAUSE_DT:-float32} be=${PAUSE_BACKEND:-ainfer_pd}; n=pause_tp1_${dt}_$be
+            echo "== $n: gpu_pause.py"
+            VLLM_BATCH_INVARIANT=$([[ $dt == bfloat16 ]] && echo 1 || echo 0) timeout -k 60 $T \
+              python3 benchmarks/gpu_pause.py --model .gpu/tiny --dtype $dt --backend $be \
+              --out $OUT/$n.json > /tmp/gpu-logs/$n.log 2>&1
+            echo "== $n: rc=$?" ;;
+    tp1fresh) for v in default:{} sync:{\"async_scheduling\":false} eager:{\"enforce_eager\":true}; do
+              n=fresh_tp1_float32_${v%%:*}; echo "== $n: gpu_pause.py --engine-args ${v#*:}"
+              timeout -k 60 $T python3 benchmarks/gpu_pause.py --model .gpu/tiny --dtype float32 \
+                --modes '' --no-sleep --engine-args "${v#*:}" --out $OUT/$n.json > /tmp/gpu-logs/$n.log 2>&1
+              echo "== $n: rc=$?"
+            done ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
