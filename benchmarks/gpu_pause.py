@@ -122,8 +122,10 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--backend", choices=["ainfer_pd", "stock"], default="ainfer_pd",
-                        help="stock: the same pauses and sleep on stock vLLM (a control)")
+    parser.add_argument("--backend", choices=["ainfer_pd", "normal", "stock"],
+                        default="ainfer_pd",
+                        help="stock: the same pauses and sleep on stock vLLM (a control); "
+                             "normal: our engine with the lane off")
     parser.add_argument("--engine-args", type=json.loads, default={},
                         help="JSON, extra engine arguments for both engines, e.g. "
                              "'{\"async_scheduling\": false}'")
@@ -139,7 +141,8 @@ def main() -> int:
     engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
                        max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
                        **args.engine_args)
-    lane = {"ainfer_pd": {"p_lane_min_tokens": 32}} if args.backend == "ainfer_pd" else None
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32}} if args.backend == "ainfer_pd" else (
+        {"ainfer_pd": {"mode": "normal"}} if args.backend == "normal" else None)
     result: dict = {"engine_args": engine_args, "ours_additional_config": lane,
                     "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT"), "checks": {}}
     failed = []

@@ -19,9 +19,11 @@
 #              keep (new weights) / wait / abort with P in flight, sleep(level=1) mid-rollout and
 #              wake_up, each request judged against stock vLLM with the same weights (bf16 runs
 #              batch-invariant, but its 64-token steps chunk prompts differently from stock's)
-#   tp1fresh   TP=1 float32, P lane on, gpu_pause.py with no pause and no sleep (two plain rollouts
-#              of 16 prompts on a new engine, 64-token steps), three ways: vLLM's defaults, async
-#              scheduling off, --enforce-eager (the 1-in-16 divergence of 2026-12-02, README)
+#   tp1fresh   TP=1 float32, gpu_pause.py with no pause and no sleep (two plain rollouts of 16
+#              prompts on a new engine, 64-token steps), four ways: the lane with vLLM's defaults,
+#              with async scheduling off, with --enforce-eager; mode=normal (the 1-in-16
+#              divergence of 2026-12-02, README; ~150 s each, so two calls: FRESH_ONLY=default,sync
+#              then FRESH_ONLY=eager,normal)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -176,10 +178,14 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
               python3 benchmarks/gpu_pause.py --model .gpu/tiny --dtype $dt --backend $be \
               --out $OUT/$n.json > /tmp/gpu-logs/$n.log 2>&1
             echo "== $n: rc=$?" ;;
-    tp1fresh) for v in default:{} sync:{\"async_scheduling\":false} eager:{\"enforce_eager\":true}; do
-              n=fresh_tp1_float32_${v%%:*}; echo "== $n: gpu_pause.py --engine-args ${v#*:}"
+    tp1fresh) for v in default:ainfer_pd:{} sync:ainfer_pd:{\"async_scheduling\":false} \
+                       eager:ainfer_pd:{\"enforce_eager\":true} normal:normal:{}; do
+              [[ ,${FRESH_ONLY:-default,sync,eager,normal}, == *,${v%%:*},* ]] || continue
+              r=${v#*:}; be=${r%%:*}; ea=${r#*:}; n=fresh_tp1_float32_${v%%:*}
+              echo "== $n: gpu_pause.py --backend $be --engine-args $ea"
               timeout -k 60 $T python3 benchmarks/gpu_pause.py --model .gpu/tiny --dtype float32 \
-                --modes '' --no-sleep --engine-args "${v#*:}" --out $OUT/$n.json > /tmp/gpu-logs/$n.log 2>&1
+                --modes '' --no-sleep --backend $be --engine-args "$ea" --out $OUT/$n.json \
+                > /tmp/gpu-logs/$n.log 2>&1
               echo "== $n: rc=$?"
             done ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
