@@ -149,7 +149,7 @@ class AInferPDConnector(KVConnectorBase_V1):
         self.lifetimes: dict[str, int] = {}  # req id -> lifetime of its next job
         self.failed: set[str] = set()  # req ids whose P failed: they recompute inline
         # req ids whose job is cancelled while the request lives on (a pause): once the job has
-        # drained, the scheduler returns the request to waiting (`return_to_waiting`).
+        # drained, the scheduler returns the request to waiting (`_return_to_waiting`).
         self.returning: set[str] = set()
         # req id -> hashes of the full prompt blocks its P writes (admitted this step or in
         # flight): a prompt whose next uncached block is among them waits for those blocks.

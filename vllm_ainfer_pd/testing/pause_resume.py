@@ -61,7 +61,7 @@ def async_engine(model: str, **engine_args):
 
 
 async def lane_status(engine) -> dict | None:
-    """Rank 0's lane counters, or None on a stock engine."""
+    """Rank 0's lane counters, or None without a lane (stock, `mode="normal"`)."""
     try:
         return (await engine.collective_rpc("ainfer_pd_status"))[0]["p_lane"]
     except Exception:
@@ -111,6 +111,7 @@ async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode
 
 async def _pause_when_busy(engine, mode: str, weight_seed: int | None, tokens: list[list[int]],
                            busy_timeout_s: float, timeout_s: float) -> PausedRollout:
+    """Wait until the rollout is busy, pause, note the tokens, update the weights, resume."""
     deadline = time.monotonic() + busy_timeout_s
     lane = await lane_status(engine)
     while time.monotonic() < deadline:
