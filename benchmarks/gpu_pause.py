@@ -41,7 +41,12 @@ async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_ainfer_pd.testing.pause_resume import EXTENSION, lane_status, paused_rollout
+    from vllm_ainfer_pd.testing.pause_resume import (
+        EXTENSION,
+        lane_status,
+        paused_rollout,
+        plain_rollout,
+    )
 
     backend = {} if lane is None else dict(distributed_executor_backend="ainfer_pd",
                                            additional_config=lane)
@@ -55,10 +60,10 @@ async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
                                               request_prefix=mode)
             print(mode, "paused in", round(runs[mode].pause_s, 3), "s; lane before/at:",
                   runs[mode].lane_before_pause, runs[mode].lane_at_pause, flush=True)
-        runs["fresh_before_sleep"] = await fresh(engine, prompts(4))
+        runs["fresh_before_sleep"] = await plain_rollout(engine, prompts(4), MAX_TOKENS)
         if sleep:
             runs["sleep"] = await sleep_mid_rollout(engine, prompts(3))
-        runs["fresh"] = await fresh(engine, prompts(4))
+        runs["fresh"] = await plain_rollout(engine, prompts(4), MAX_TOKENS, "after")
         runs["lane"] = await lane_status(engine)
         runs["all_blocks_free"] = await engine.reset_prefix_cache(reset_running_requests=True)
     finally:
@@ -100,21 +105,6 @@ async def _collect(engine, prompt: list[int], request_id: str) -> str | None:
                                      request_id=request_id):
         reason = out.outputs[0].finish_reason
     return reason
-
-
-async def fresh(engine, ps: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    async def one(i: int) -> list[int]:
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=ps[i]), params,
-                                         request_id=f"fresh{i}"):
-            pass
-        return list(out.outputs[0].token_ids)
-
-    return list(await asyncio.gather(*(one(i) for i in range(len(ps)))))
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ from vllm_ainfer_pd.testing.pause_resume import (
     judge_continuations,
     lane_status,
     paused_rollout,
+    plain_rollout,
 )
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -51,21 +52,6 @@ def stock_new_weights(tiny_model):
         yield stock
 
 
-async def fresh_rollout(engine, ps: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    async def one(i: int) -> list[int]:
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=ps[i]), params,
-                                         request_id=f"fresh{i}"):
-            pass
-        return list(out.outputs[0].token_ids)
-
-    return list(await asyncio.gather(*(one(i) for i in range(len(ps)))))
-
-
 async def rollouts(model: str, modes: tuple[str, ...], **layout) -> dict:
     """A paused rollout per mode (the first one with the weight update), then a plain rollout
     and the leak check, on one engine."""
@@ -75,7 +61,7 @@ async def rollouts(model: str, modes: tuple[str, ...], **layout) -> dict:
             runs[mode] = await paused_rollout(engine, prompts(n), MAX_TOKENS, mode,
                                               weight_seed=SEED if n == 0 else None,
                                               request_prefix=mode)
-        runs["fresh"] = await fresh_rollout(engine, prompts(9))
+        runs["fresh"] = await plain_rollout(engine, prompts(9), MAX_TOKENS)
         runs["lane"] = await lane_status(engine)
         # Raises on any engine where a request still holds a KV block (all have ended).
         runs["all_blocks_free"] = await engine.reset_prefix_cache(reset_running_requests=True)

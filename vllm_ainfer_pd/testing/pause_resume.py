@@ -68,6 +68,23 @@ async def lane_status(engine) -> dict | None:
         return None
 
 
+async def plain_rollout(engine, prompts: list[list[int]], max_tokens: int,
+                        request_prefix: str = "plain") -> list[list[int]]:
+    """Every prompt at once, greedy, no pause: each request's tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int) -> list[int]:
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompts[i]), params,
+                                         request_id=f"{request_prefix}{i}"):
+            pass
+        return list(out.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
 async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode: str,
                          weight_seed: int | None = None, busy_timeout_s: float = 60.0,
                          request_prefix: str = "r", timeout_s: float = 180.0) -> PausedRollout:
