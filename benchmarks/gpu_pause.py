@@ -6,10 +6,10 @@ async scheduling and sleep mode.
 
 One ainfer_pd `AsyncLLM` (TP=1, `enable_sleep_mode`, the test weight update mixed into the
 worker): `keep` pause with new weights, `wait`, `abort`, then `sleep(level=1)` in the middle of a
-rollout (vLLM pauses with `abort` first), `wake_up()`, and a fresh rollout. Then stock vLLM with
-the same update judges every request (parity.py's tie rule). Run with VLLM_BATCH_INVARIANT=1 for
-bf16 (the lane's prefill and stock's take different batch shapes). Writes JSON; exit 1 on a
-failed check or an error.
+rollout (vLLM pauses with `abort` first: `paused_rollout(..., sleep_level=1)`), `wake_up()`, and
+a fresh rollout. Then stock vLLM with the same update judges every request (parity.py's tie
+rule). Run with VLLM_BATCH_INVARIANT=1 for bf16 (the lane's prefill and stock's take different
+batch shapes). Writes JSON; exit 1 on a failed check or an error.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import sys
-import time
 import traceback
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -61,50 +60,15 @@ async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
             print(mode, "paused in", round(runs[mode].pause_s, 3), "s; lane before/at:",
                   runs[mode].lane_before_pause, runs[mode].lane_at_pause, flush=True)
         runs["fresh_before_sleep"] = await plain_rollout(engine, prompts(4), MAX_TOKENS)
-        if sleep:
-            runs["sleep"] = await sleep_mid_rollout(engine, prompts(3))
+        if sleep:  # vLLM pauses with `abort` first
+            runs["sleep"] = await paused_rollout(engine, prompts(3), MAX_TOKENS, "abort",
+                                                 request_prefix="sleep", sleep_level=1)
         runs["fresh"] = await plain_rollout(engine, prompts(4), MAX_TOKENS, "after")
         runs["lane"] = await lane_status(engine)
         runs["all_blocks_free"] = await engine.reset_prefix_cache(reset_running_requests=True)
     finally:
         engine.shutdown()
     return runs
-
-
-async def sleep_mid_rollout(engine, ps: list[list[int]]) -> dict:
-    """`sleep(level=1)` (weights to host memory, KV cache dropped) while P is in flight."""
-    from vllm_ainfer_pd.testing.pause_resume import lane_status
-
-    tasks = [asyncio.create_task(_collect(engine, p, f"sleep{i}")) for i, p in enumerate(ps)]
-    lane = await lane_status(engine)
-    for _ in range(1200):
-        lane = await lane_status(engine)
-        if lane is None or lane["inflight"] > 0:  # stock: sleep a moment after the start
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3 if lane is None else 0)
-    t0 = time.monotonic()
-    await engine.sleep(level=1)
-    slept = time.monotonic() - t0
-    at_sleep = await lane_status(engine)
-    await engine.wake_up()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    return {"lane_before": lane and lane["inflight"],
-            "lane_at_sleep": at_sleep and at_sleep["inflight"],
-            "sleep_s": slept, "finish_reasons": [r if isinstance(r, str) else repr(r)
-                                                 for r in results]}
-
-
-async def _collect(engine, prompt: list[int], request_id: str) -> str | None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    reason = None
-    async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                     request_id=request_id):
-        reason = out.outputs[0].finish_reason
-    return reason
 
 
 def main() -> int:
@@ -163,20 +127,15 @@ def judge(runs: dict, engine_args: dict, modes: list[str], result: dict) -> list
 
     failed = []
     checks = result["checks"]
-    for mode in modes:
+    for mode in modes + (["sleep"] if "sleep" in runs else []):
         run = runs[mode]
         checks[mode] = {"pause_s": run.pause_s, "tokens_before": [len(b) for b in run.before],
                         "finish_reasons": run.finish_reasons, "errors": run.errors,
                         "lane_before": run.lane_before_pause, "lane_at_pause": run.lane_at_pause}
         if run.errors or (run.lane_at_pause or {}).get("inflight"):
             failed.append(mode)
-    checks["sleep"] = runs.get("sleep")
     checks["lane_after"] = runs["lane"]
     checks["all_blocks_free"] = runs["all_blocks_free"]
-    sleep = runs.get("sleep")
-    if sleep is not None and (sleep["lane_at_sleep"] or any(
-            r not in ("abort", "length") for r in sleep["finish_reasons"])):
-        failed.append("sleep")
     stock_llm = LLM(**engine_args, worker_extension_cls=EXTENSION)
     try:
         stock = LLMRunner(stock_llm)

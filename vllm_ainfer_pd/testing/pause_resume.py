@@ -87,10 +87,13 @@ async def plain_rollout(engine, prompts: list[list[int]], max_tokens: int,
 
 async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode: str,
                          weight_seed: int | None = None, busy_timeout_s: float = 60.0,
-                         request_prefix: str = "r", timeout_s: float = 180.0) -> PausedRollout:
+                         request_prefix: str = "r", timeout_s: float = 180.0,
+                         sleep_level: int | None = None) -> PausedRollout:
     """Start every prompt, pause with `mode` once the P lane has jobs in flight (stock: once a
     request has a token), push new weights (`perturb_weights(weight_seed)`) if a seed is given,
-    resume, and collect every request's output."""
+    resume, and collect every request's output. With `sleep_level` the pause is vLLM's
+    `sleep(sleep_level, mode)` (GPU: weights to host memory, KV cache dropped) and the resume
+    `wake_up()`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -107,7 +110,7 @@ async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode
     tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
     try:
         run = await _pause_when_busy(engine, mode, weight_seed, tokens, busy_timeout_s,
-                                     timeout_s)
+                                     timeout_s, sleep_level)
     except BaseException:
         # Abort the requests while the engine still runs: left to asyncio.run's teardown, their
         # aborts would wait on an engine already shut down.
@@ -127,7 +130,8 @@ async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode
 
 
 async def _pause_when_busy(engine, mode: str, weight_seed: int | None, tokens: list[list[int]],
-                           busy_timeout_s: float, timeout_s: float) -> PausedRollout:
+                           busy_timeout_s: float, timeout_s: float,
+                           sleep_level: int | None) -> PausedRollout:
     """Wait until the rollout is busy, pause, note the tokens, update the weights, resume."""
     deadline = time.monotonic() + busy_timeout_s
     lane = await lane_status(engine)
@@ -141,12 +145,15 @@ async def _pause_when_busy(engine, mode: str, weight_seed: int | None, tokens: l
         raise TimeoutError(f"no token, or no P job in flight, after {busy_timeout_s} s: {lane}")
     run = PausedRollout(mode, [], [], [], lane_before_pause=lane)
     start = time.monotonic()
-    pause = asyncio.create_task(engine.pause_generation(mode=mode))
+    call = f"pause_generation(mode={mode!r})" if sleep_level is None else \
+        f"sleep(level={sleep_level}, mode={mode!r})"
+    pause = asyncio.create_task(engine.pause_generation(mode=mode) if sleep_level is None
+                                else engine.sleep(level=sleep_level, mode=mode))
     while not pause.done():  # a pause whose engine died never returns
         await asyncio.wait([pause], timeout=0.5)
         if not pause.done() and (engine.errored or time.monotonic() - start > timeout_s):
             pause.cancel()
-            raise RuntimeError(f"pause_generation(mode={mode!r}) did not return after "
+            raise RuntimeError(f"{call} did not return after "
                                f"{time.monotonic() - start:.0f} s; engine errored: "
                                f"{engine.errored}")
     pause.result()
@@ -156,7 +163,7 @@ async def _pause_when_busy(engine, mode: str, weight_seed: int | None, tokens: l
     run.before = [list(t) for t in tokens]
     if weight_seed is not None:
         await engine.collective_rpc("perturb_weights", args=(weight_seed,))
-    await engine.resume_generation()
+    await (engine.resume_generation() if sleep_level is None else engine.wake_up())
     return run
 
 
