@@ -36,7 +36,7 @@ def prompts(seed: int, n: int = 16) -> list[list[int]]:
 
 
 async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
-                    modes: list[str]) -> dict:
+                    modes: list[str], weight_update: bool) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -54,8 +54,12 @@ async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
     runs: dict = {}
     try:
         for mode in modes:
+            if mode == "update":  # the weight update alone, with no pause and nothing running
+                await engine.collective_rpc("perturb_weights", args=(SEED,))
+                continue
             runs[mode] = await paused_rollout(engine, prompts(PROMPT_SEED[mode]), MAX_TOKENS, mode,
-                                              weight_seed=SEED if mode == "keep" else None,
+                                              weight_seed=SEED if mode == "keep" and weight_update
+                                              else None,
                                               request_prefix=mode)
             print(mode, "paused in", round(runs[mode].pause_s, 3), "s; lane before/at:",
                   runs[mode].lane_before_pause, runs[mode].lane_at_pause, flush=True)
@@ -85,7 +89,9 @@ def main() -> int:
                              "'{\"async_scheduling\": false}'")
     parser.add_argument("--modes", default="keep,wait,abort",
                         help="the pauses to run before the fresh rollouts (comma-separated; "
-                             "'' for none)")
+                             "'' for none; `update`: push the new weights with no pause)")
+    parser.add_argument("--no-weight-update", action="store_true",
+                        help="the `keep` pause pushes no new weights")
     parser.add_argument("--no-sleep", action="store_true",
                         help="skip the sleep cycle (vLLM's sleep mode needs CUDA: a CPU smoke run)")
     args = parser.parse_args()
@@ -106,8 +112,10 @@ def main() -> int:
 
         result["versions"] = versions()
         modes = [m for m in args.modes.split(",") if m]
-        runs = asyncio.run(ours_runs(engine_args, lane, not args.no_sleep, modes))
-        failed += judge(runs, engine_args, modes, result)
+        runs = asyncio.run(ours_runs(engine_args, lane, not args.no_sleep, modes,
+                                     not args.no_weight_update))
+        updated = "update" in modes or ("keep" in modes and not args.no_weight_update)
+        failed += judge(runs, engine_args, [m for m in modes if m != "update"], updated, result)
     except BaseException as exc:
         result["error"] = repr(exc)
         result["traceback"] = traceback.format_exc()
@@ -119,7 +127,8 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def judge(runs: dict, engine_args: dict, modes: list[str], result: dict) -> list[str]:
+def judge(runs: dict, engine_args: dict, modes: list[str], updated: bool,
+          result: dict) -> list[str]:
     from vllm import LLM
 
     from vllm_ainfer_pd.testing.parity import LLMRunner, compare
@@ -139,7 +148,7 @@ def judge(runs: dict, engine_args: dict, modes: list[str], result: dict) -> list
     stock_llm = LLM(**engine_args, worker_extension_cls=EXTENSION)
     try:
         stock = LLMRunner(stock_llm)
-        if "keep" in modes:  # the weights ours had after the keep pause
+        if updated:  # the weights ours had after the keep pause (or the update)
             stock_llm.collective_rpc("perturb_weights", args=(SEED,))
         for mode in [m for m in modes if m != "abort"]:
             report = judge_continuations(prompts(PROMPT_SEED[mode]), runs[mode], MAX_TOKENS,
