@@ -8,7 +8,13 @@ prompt on stock vLLM alone and in several batches, with the same engine argument
 and writes its tokens and top logprobs per batch: if stock's own tokens change with the batch,
 the prompt sits on such a tie and no backend can be judged on it.
 
+With `--router-margins` (and `--engine-args '{"enforce_eager": true}'`: module hooks do not fire in
+compiled graphs) it also prefills the prompt and stock's first `--tokens-fed` output tokens once
+more and records every MoE router's top-k margin per position (`testing/router_probe.py`): the
+smallest margins say where a near-tie is, and how near.
+
     python3 benchmarks/gpu_batch_sensitivity.py --model .gpu/tiny --out probe.json [--update]
+        [--router-margins --engine-args '{"enforce_eager": true}']
 """
 
 from __future__ import annotations
@@ -31,17 +37,21 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=7, help="index into prompts(4)")
     parser.add_argument("--update", action="store_true", help="push gpu_pause.py's new weights")
     parser.add_argument("--engine-args", type=json.loads, default={})
+    parser.add_argument("--router-margins", action="store_true")
+    parser.add_argument("--tokens-fed", type=int, default=2,
+                        help="stock's output tokens fed after the prompt for --router-margins "
+                             "(2: the forward that computes output 2)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from vllm_ainfer_pd.testing.pause_resume import EXTENSION
 
     engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
                        max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
                        enable_prefix_caching=False, **args.engine_args)
-    llm = LLM(**engine_args, worker_extension_cls=EXTENSION)
+    llm = LLM(**engine_args,
+              worker_extension_cls="vllm_ainfer_pd.testing.router_probe.RouterProbe")
     if args.update:
         llm.collective_rpc("perturb_weights", args=(SEED,))
     every = prompts(4)
@@ -60,10 +70,40 @@ def main() -> int:
     distinct = {tuple(b["tokens"]) for b in result["batches"].values()}
     result["distinct_outputs"] = len(distinct)
     print("distinct outputs of prompt", i, "over", len(batches), "batches:", len(distinct))
+    if args.router_margins:
+        fed = every[i] + result["batches"]["all16"]["tokens"][:args.tokens_fed]
+        result["router"] = router_margins(llm, fed)
+        print("router margins:", json.dumps({k: v for k, v in result["router"].items()
+                                              if k != "per_position_min"}), flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     llm.llm_engine.engine_core.shutdown()
     return 0
+
+
+def router_margins(llm, tokens: list[int]) -> dict:
+    """One prefill of `tokens` with the routers hooked: the smallest top-k margins."""
+    from vllm import SamplingParams, TokensPrompt
+
+    layers = llm.collective_rpc("start_router_margins")[0]
+    llm.generate([TokensPrompt(prompt_token_ids=tokens)],
+                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    rows = llm.collective_rpc("stop_router_margins")[0]
+    # The prefill's rows come first, in position order (the one decode row, if any, after).
+    margins = [(m, pos, layer) for layer, r in enumerate(rows) for pos, m in enumerate(r)
+               if pos < len(tokens)]
+    if any(len(r) < len(tokens) for r in rows):
+        raise RuntimeError(f"router rows {[len(r) for r in rows]} < {len(tokens)} positions")
+    per_position = [min(m for m, p, _ in margins if p == pos) for pos in range(len(tokens))]
+    return {
+        "moe_layers": layers, "positions": len(tokens),
+        "smallest": [{"margin": m, "position": p, "layer": lay}
+                     for m, p, lay in sorted(margins)[:10]],
+        "last_positions": {p: per_position[p] for p in range(len(tokens) - 3, len(tokens))},
+        "below": {t: sum(m < t for m, _, _ in margins) for t in (1e-3, 1e-4, 1e-5, 1e-6)},
+        "decisions": len(margins),
+        "per_position_min": per_position,
+    }
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@
 #              with async scheduling off, with --enforce-eager; mode=normal (the 1-in-16
 #              divergence of 2026-12-02, README; ~150 s each, so two calls: FRESH_ONLY=default,sync
 #              then FRESH_ONLY=eager,normal)
+#   tp1tie     TP=1 float32, stock only: benchmarks/gpu_batch_sensitivity.py on prompt 7 of
+#              gpu_pause.py's prompts(4) after its weight update: stock's tokens in six batches
+#              (CUDA graphs), then in eager mode with every router's top-k margin (the divergence
+#              that follows the weight update, README, thirteenth session; ~3 min)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -186,6 +190,13 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
               timeout -k 60 $T python3 benchmarks/gpu_pause.py --model .gpu/tiny --dtype float32 \
                 --modes '' --no-sleep --backend $be --engine-args "$ea" --out $OUT/$n.json \
                 > /tmp/gpu-logs/$n.log 2>&1
+              echo "== $n: rc=$?"
+            done ;;
+    tp1tie) for v in graphs:{} eager:{\"enforce_eager\":true}; do
+              n=tie_tp1_float32_${v%%:*}; m=; [[ $n == *eager ]] && m=--router-margins
+              echo "== $n: gpu_batch_sensitivity.py --update $m"
+              timeout -k 30 $T python3 benchmarks/gpu_batch_sensitivity.py --model .gpu/tiny --update \
+                $m --engine-args "${v#*:}" --out $OUT/$n.json > /tmp/gpu-logs/$n.log 2>&1
               echo "== $n: rc=$?"
             done ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;

@@ -157,8 +157,10 @@ def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
     """The RL loop: rollout, the trainer pushes new weights through a worker extension
     (`collective_rpc`), the prefix cache is reset, rollout again. The extension mixes into our
     worker as into stock's; the lane's P runs the updated weights (the outputs change, and equal
-    stock's after the same update)."""
-    ext = {"worker_extension_cls": "vllm_ainfer_pd.testing.weight_update.WeightUpdate"}
+    stock's after the same update). Then the router probe (`testing/router_probe.py`, a
+    subclass of the weight update): one lane-sized prompt routes every token of every MoE layer
+    with the same top-k margins in the lane as in stock's prefill."""
+    ext = {"worker_extension_cls": "vllm_ainfer_pd.testing.router_probe.RouterProbe"}
     with offline_llm(tiny_model, 1, **ext) as stock, \
             offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=LANE_ON,
                         **ext) as ours:
@@ -174,9 +176,29 @@ def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
             print(step, report)
             assert report.fail == 0, (step, report)
             rollouts[step] = (stock_out, ours.worker_status()[0]["p_lane"]["jobs_done"])
+        prompt = max(PROMPTS, key=len)
+        margins = [router_margins(r, prompt) for r in (stock, ours)]
+        jobs_probe = ours.worker_status()[0]["p_lane"]["jobs_done"]
     (before, jobs_before), (after, jobs_after) = rollouts["before"], rollouts["after"]
     assert sum(a != b for a, b in zip(before, after)) >= len(PROMPTS) // 2  # the update took
     assert jobs_before >= 8 and jobs_after - jobs_before >= 8  # both rollouts used the lane
+    assert jobs_probe == jobs_after + 1  # the probed prompt's P ran in the lane
+    stock_margins, ours_margins = margins
+    assert len(stock_margins) == 4  # the tiny model's MoE layers
+    for layer, (s, o) in enumerate(zip(stock_margins, ours_margins)):
+        assert len(s) == len(o) == len(prompt), (layer, len(s), len(o))
+        assert min(s) > 0 and o == pytest.approx(s, abs=1e-4), layer
+
+
+def router_margins(runner, prompt: list[int]) -> list[list[float]]:
+    """Every MoE layer's top-k router margin per token of one fresh prefill of `prompt`."""
+    from vllm import SamplingParams, TokensPrompt
+
+    assert runner.llm.reset_prefix_cache()
+    assert runner.llm.collective_rpc("start_router_margins")[0] == 4
+    runner.llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                        SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return runner.llm.collective_rpc("stop_router_margins")[0]
 
 
 def test_speculative_decoding_with_a_draft_model_matches_stock(tiny_model):
