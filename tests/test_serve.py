@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 MAX_TOKENS = 24
 WAVES = parity_waves(vocab_size=512)
 PROMPTS = [p for wave in WAVES for p in wave]
+EXTERNAL = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
 CHAT = [{"role": "user", "content": "What does the scheduler commit first?"}]
 # The P lane on for prompts with >= 32 uncached tokens (most prompts and turn increments here).
 OURS = ["--distributed-executor-backend", "ainfer_pd",
@@ -174,6 +175,7 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     # their last 43 tokens (before, each prefilled all 299); the 60-token prompt has no full
     # block to share (3 x 59).
     p_tokens_before = _lane_total(srv.url, tiny_model, "p_tokens")
+    external_before = scrape(srv.url)[EXTERNAL]
     for prompt in _fresh_prompts(2, (60, 300)):
         mine, theirs = _seeded_samples(ours, prompt), _seeded_samples(stock_runner, prompt)
         assert [ids for ids, _ in mine] == [ids for ids, _ in theirs]
@@ -182,6 +184,9 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
             assert all(abs(a - b) < 1e-4 for a, b in zip(my_logprobs, their_logprobs)), \
                 (my_logprobs, their_logprobs)
     assert _lane_total(srv.url, tiny_model, "p_tokens") - p_tokens_before == 3 * 59 + 299 + 2 * 43
+    # vLLM's own count of those prompt tokens: they came through the KV connector (the rollout
+    # report shows this per source, beside the prefix cache's `local_cache_hit`).
+    assert scrape(srv.url)[EXTERNAL] - external_before == 3 * 59 + 299 + 2 * 43
     constrained = _fresh_prompts(3, (70, 110))
     ours_constrained = [_constrained(ours, p) for p in constrained]
     assert ours_constrained == [_constrained(stock_runner, p) for p in constrained]

@@ -118,9 +118,13 @@ vllm_ainfer_pd_d_wait_seconds_bucket{rank="0",le="0.1"} 4
 vllm:num_preemptions_total{engine="0"} 2
 vllm:kv_cache_usage_perc{engine="0"} 0.5
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 10.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 7.0
+vllm:prompt_tokens_by_source_total{engine="1",model_name="m",source="local_cache_hit"} 1.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 9.0
 """
 PROM_AFTER = PROM_BEFORE.replace("_sum{rank=\"0\"} 1.0", "_sum{rank=\"0\"} 3.0").replace(
-    "_count{rank=\"0\"} 4", "_count{rank=\"0\"} 8").replace("} 10.0", "} 25.0")
+    "_count{rank=\"0\"} 4", "_count{rank=\"0\"} 8").replace("} 10.0", "} 25.0").replace(
+    'source="external_kv_transfer"} 9.0', 'source="external_kv_transfer"} 30.0')
 
 
 def test_backend_counters_are_deltas_summed_over_ranks():
@@ -132,6 +136,11 @@ def test_backend_counters_are_deltas_summed_over_ranks():
     assert d["vllm:num_preemptions_total"] == 0
     # the name `vllm serve` exports with speculative decoding (seen in parity_dp2_ep_ngram.json)
     assert d["vllm:spec_decode_num_accepted_tokens_total"] == pytest.approx(15.0)
+    # per source (the lane's tokens are vLLM's `external_kv_transfer`), summed over engines
+    assert d['vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'] == 21.0
+    assert d['vllm:prompt_tokens_by_source_total{source="local_cache_hit"}'] == 0
+    before = backend_metrics.parse(PROM_BEFORE)
+    assert before['vllm:prompt_tokens_by_source_total{source="local_cache_hit"}'] == 8.0
     assert "vllm:kv_cache_usage_perc" not in d  # not one of the engine counters read
     assert not any(k.endswith("_bucket") for k in d)
     assert backend_metrics.delta(None, None) == {}

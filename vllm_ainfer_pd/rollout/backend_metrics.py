@@ -4,7 +4,10 @@ Two families: the ainfer_pd backend's (`vllm_ainfer_pd_*`: D wait, P wait-for-pe
 epoch, rendezvous time; present only when that backend exports them) and a few of vLLM's engine
 counters that every backend has (preemptions, prompt tokens computed vs served from the prefix
 cache, and with speculative decoding its draft and accepted tokens). Series are summed over their
-labels (engines, ranks): the paper reports rank-aggregated totals. Counters and histogram
+labels (engines, ranks): the paper reports rank-aggregated totals. The one exception is
+`vllm:prompt_tokens_by_source_total`, kept per `source`: vLLM counts the P lane's prompt tokens
+as `external_kv_transfer` (they arrive through the KV connector) and so within
+`vllm:prompt_tokens_cached_total`; `local_cache_hit` is the prefix cache alone. Counters and histogram
 sums/counts are reported as after - before; gauges as after. Nothing is invented: a metric the
 server does not export is absent from the result.
 """
@@ -19,18 +22,22 @@ ENGINE = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total",
           # with speculative decoding: a drafter never sees a lane prompt's tokens before its last
           "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
           "vllm:spec_decode_num_accepted_tokens_total")
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"  # kept per source label
 _ACCUMULATING = ("_total", "_sum", "_count")
 
 
 def parse(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over label sets}, for PREFIX and ENGINE names
-    (histogram buckets and `_created` timestamps left out)."""
+    (histogram buckets and `_created` timestamps left out), and BY_SOURCE per source, named
+    `BY_SOURCE{source="..."}`."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if not (name.startswith(PREFIX) or name in ENGINE):
+        if name == BY_SOURCE and 'source="' in line:
+            name += '{source="' + line.split('source="', 1)[1].split('"', 1)[0] + '"}'
+        elif not (name.startswith(PREFIX) or name in ENGINE):
             continue
         if name.endswith(("_bucket", "_created")):
             continue
@@ -77,7 +84,8 @@ def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> di
     if after is None:
         return {}
     before = before or {}
-    out = {name: value - before.get(name, 0.0) if name.endswith(_ACCUMULATING) else value
+    out = {name: value - before.get(name, 0.0)
+           if name.split("{", 1)[0].endswith(_ACCUMULATING) else value
            for name, value in after.items()}
     for name in list(out):
         if name.endswith("_sum") and out.get(name[:-4] + "_count"):
