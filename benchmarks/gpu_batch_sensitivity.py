@@ -46,7 +46,6 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
-
     engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
                        max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
                        enable_prefix_caching=False, **args.engine_args)
