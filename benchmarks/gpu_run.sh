@@ -6,6 +6,7 @@
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
 #   tp1spec    TP=1 bf16, P lane on, speculative decoding on both engines: vLLM's n-gram drafter,
 #              then the tiny model drafting for itself (draft and acceptance counts per engine)
+#   tp1eagle   the same with a random EAGLE head (models --preset tiny --eagle, made on the machine)
 #   tp1dhigh   TP=1 bf16, P lane on, D's stream at high priority (d_stream_priority="high")
 #   tp1mla     TP=1 bf16, P lane on, MLA attention: the tiny-mla preset (DeepSeek-V3's layout),
 #              generated on the machine; default kernels, then VLLM_BATCH_INVARIANT=1
@@ -156,6 +157,9 @@ for job in "$@"; do
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
       parity tp1_bfloat16_draft 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
         --speculative-config '{"method": "draft_model", "model": ".gpu/tiny", "num_speculative_tokens": 3}' ;;
+    tp1eagle) python3 -m vllm_ainfer_pd.models --preset tiny --eagle --out /tmp/tiny-eagle > /dev/null &&
+      parity tp1_bfloat16_eagle 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
+        --speculative-config '{"method": "eagle", "model": "/tmp/tiny-eagle", "num_speculative_tokens": 3}' ;;
     tp1mla|tp1mlalong|tp1mlatail)
       # MLA attention (the tiny-mla preset, DeepSeek-V3's layout, generated here): default kernels,
       # then vLLM's batch-invariant ones; tp1mlalong: --long-prompts, batch-invariant first

@@ -92,3 +92,26 @@ def test_mla_preset_is_a_deepseek_v3_checkpoint_that_loads_back_unchanged(tmp_pa
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
     assert set(loaded) == set(generated)
     assert all(torch.equal(loaded[k], generated[k]) for k in generated)
+
+
+def test_eagle_drafter_matches_its_target_and_loads_as_vllm_eagle(tmp_path, tiny_model):
+    from safetensors.torch import load_file
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    from vllm_ainfer_pd.models.generate import write_eagle_drafter
+
+    out = write_eagle_drafter(get_preset("tiny"), tmp_path / "eagle", seed=0)
+    target = json.loads((Path(tiny_model) / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_size"] == target["hidden_size"]
+    assert config["vocab_size"] == target["vocab_size"]
+    # vLLM wraps it as EAGLE (v1) on the Llama architecture it names.
+    assert EAGLEConfig(model=config, method="eagle").architectures == ["EagleLlamaForCausalLM"]
+    weights = load_file(out / "model.safetensors")
+    h = target["hidden_size"]
+    assert weights["fc.weight"].shape == (h, 2 * h)  # [token embedding, target hidden state]
+    assert "layers.0.input_layernorm.weight" not in weights  # EAGLE's first layer has none
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in weights)  # the target's
+    assert _digest(write_eagle_drafter(get_preset("tiny"), tmp_path / "again")) == _digest(out)
+    with pytest.raises(ValueError, match="qwen3_moe presets, not 'deepseek_v3'"):
+        write_eagle_drafter(get_preset("tiny-mla"), tmp_path / "mla")

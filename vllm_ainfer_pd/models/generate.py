@@ -8,7 +8,8 @@ safetensors in bf16. The result is a normal Hugging Face folder that `vllm serve
 
 `ensure_model(preset)` caches the folder under ~/.cache/vllm-ainfer-pd/models/<preset>-<key>, where
 the key hashes the preset, the seed, the corpus and the transformers version, so a changed generator
-never reuses a stale checkpoint.
+never reuses a stale checkpoint. `ensure_model(preset, eagle=True)` is an EAGLE drafter for that
+model (`write_eagle_drafter`).
 """
 
 from __future__ import annotations
@@ -167,27 +168,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("AINFER_PD_CACHE", Path.home() / ".cache" / "vllm-ainfer-pd"))
 
 
-def _key(preset: ModelPreset, seed: int) -> str:
+def _key(preset: ModelPreset, seed: int, eagle: bool) -> str:
     import transformers
 
     blob = json.dumps(
         [dataclasses.asdict(preset), seed, CORPUS.read_text(), transformers.__version__,
-         CHAT_TEMPLATE]
+         CHAT_TEMPLATE] + (["eagle", EAGLE_INTERMEDIATE] if eagle else [])
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def ensure_model(preset: str = "tiny", seed: int = 0) -> Path:
-    """Return the cached folder of `preset` (generated on first use). Safe against concurrent calls:
-    the folder is built under a temporary name and renamed into place."""
+def ensure_model(preset: str = "tiny", seed: int = 0, eagle: bool = False) -> Path:
+    """Return the cached folder of `preset`, or with `eagle` of its EAGLE drafter (generated on
+    first use). Safe against concurrent calls: the folder is built under a temporary name and
+    renamed into place."""
     spec = get_preset(preset)
-    path = cache_root() / "models" / f"{spec.name}-s{seed}-{_key(spec, seed)}"
+    name = f"{spec.name}-eagle" if eagle else spec.name
+    path = cache_root() / "models" / f"{name}-s{seed}-{_key(spec, seed, eagle)}"
     if (path / "config.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        write_model(spec, tmp, seed)
+        (write_eagle_drafter if eagle else write_model)(spec, tmp, seed)
         try:
             tmp.rename(path)
         except OSError:  # another process won the race; its folder is identical
@@ -218,6 +221,47 @@ def write_model(preset: ModelPreset, out: Path, seed: int = 0) -> Path:
     (out / "ainfer_pd_preset.json").write_text(
         json.dumps({"preset": dataclasses.asdict(preset), "seed": seed}, indent=2)
     )
+    return out
+
+
+EAGLE_INTERMEDIATE = 256  # the drafter's MLP width
+
+
+def write_eagle_drafter(preset: ModelPreset, out: Path, seed: int = 0) -> Path:
+    """An EAGLE (v1) drafter for `preset`'s model, random bf16 weights, in the layout vLLM's
+    `--speculative-config '{"method": "eagle", "model": OUT}'` loads (`EagleLlamaForCausalLM`): `fc`
+    joins the token embedding and the target's hidden state, then one Llama decoder layer without
+    its input norm; embeddings and LM head are the target's. Random, so it proposes tokens the
+    target rejects: it checks that EAGLE runs beside the lane and that outputs stay exact."""
+    import torch
+    from safetensors.torch import save_file
+
+    if preset.family != "qwen3_moe":
+        raise ValueError(f"EAGLE drafters are made for qwen3_moe presets, not {preset.family!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(preset.vocab_size, out)
+    h, inter = preset.hidden_size, EAGLE_INTERMEDIATE
+    q, kv = preset.num_heads * preset.head_dim, preset.num_kv_heads * preset.head_dim
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": preset.num_heads,
+        "num_key_value_heads": preset.num_kv_heads, "head_dim": preset.head_dim,
+        "vocab_size": preset.vocab_size, "max_position_embeddings": preset.max_position_embeddings,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+        "tie_word_embeddings": False, **TOKEN_IDS_AND_DTYPE,
+    }
+    gen = torch.Generator().manual_seed(seed + 1)
+    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
+              "layers.0.self_attn.k_proj.weight": (kv, h),
+              "layers.0.self_attn.v_proj.weight": (kv, h),
+              "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
+              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
+    tensors = {name: (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+               for name, shape in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
