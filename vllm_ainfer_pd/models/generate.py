@@ -252,14 +252,15 @@ def write_eagle_drafter(preset: ModelPreset, out: Path, seed: int = 0) -> Path:
         "tie_word_embeddings": False, **TOKEN_IDS_AND_DTYPE,
     }
     gen = torch.Generator().manual_seed(seed + 1)
-    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
-              "layers.0.self_attn.k_proj.weight": (kv, h),
-              "layers.0.self_attn.v_proj.weight": (kv, h),
-              "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
-              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
+    layer = "layers.0."
+    shapes = {"fc.weight": (h, 2 * h),
+              layer + "self_attn.q_proj.weight": (q, h), layer + "self_attn.k_proj.weight": (kv, h),
+              layer + "self_attn.v_proj.weight": (kv, h), layer + "self_attn.o_proj.weight": (h, q),
+              layer + "mlp.gate_proj.weight": (inter, h), layer + "mlp.up_proj.weight": (inter, h),
+              layer + "mlp.down_proj.weight": (h, inter)}
     tensors = {name: (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
                for name, shape in shapes.items()}
-    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    tensors[layer + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -7,9 +7,9 @@ cache, and with speculative decoding its draft and accepted tokens). Series are 
 labels (engines, ranks): the paper reports rank-aggregated totals. The one exception is
 `vllm:prompt_tokens_by_source_total`, kept per `source`: vLLM counts the P lane's prompt tokens
 as `external_kv_transfer` (they arrive through the KV connector) and so within
-`vllm:prompt_tokens_cached_total`; `local_cache_hit` is the prefix cache alone. Counters and histogram
-sums/counts are reported as after - before; gauges as after. Nothing is invented: a metric the
-server does not export is absent from the result.
+`vllm:prompt_tokens_cached_total`; `local_cache_hit` is the prefix cache alone. Counters and
+histogram sums/counts are reported as after - before; gauges as after. Nothing is invented: a
+metric the server does not export is absent from the result.
 """
 
 from __future__ import annotations
