@@ -82,20 +82,16 @@ def main() -> int:
 
 def router_margins(llm, tokens: list[int]) -> dict:
     """One prefill of `tokens` with the routers hooked: the smallest top-k margins."""
-    from vllm import SamplingParams, TokensPrompt
+    from vllm_ainfer_pd.testing.router_probe import prefill_router_margins
 
-    layers = llm.collective_rpc("start_router_margins")[0]
-    llm.generate([TokensPrompt(prompt_token_ids=tokens)],
-                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    rows = llm.collective_rpc("stop_router_margins")[0]
-    # The prefill's rows come first, in position order (the one decode row, if any, after).
+    rows = prefill_router_margins(llm, tokens)
+    if not rows or any(len(r) < len(tokens) for r in rows):
+        raise RuntimeError(f"router rows {[len(r) for r in rows]} < {len(tokens)} positions")
     margins = [(m, pos, layer) for layer, r in enumerate(rows) for pos, m in enumerate(r)
                if pos < len(tokens)]
-    if any(len(r) < len(tokens) for r in rows):
-        raise RuntimeError(f"router rows {[len(r) for r in rows]} < {len(tokens)} positions")
-    per_position = [min(m for m, p, _ in margins if p == pos) for pos in range(len(tokens))]
+    per_position = [min(r[pos] for r in rows) for pos in range(len(tokens))]
     return {
-        "moe_layers": layers, "positions": len(tokens),
+        "moe_layers": len(rows), "positions": len(tokens),
         "smallest": [{"margin": m, "position": p, "layer": lay}
                      for m, p, lay in sorted(margins)[:10]],
         "last_positions": {p: per_position[p] for p in range(len(tokens) - 3, len(tokens))},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_ainfer_pd.testing.parity import compare, offline_llm, parity_waves, run_waves
+from vllm_ainfer_pd.testing.router_probe import prefill_router_margins
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -177,7 +178,7 @@ def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
             assert report.fail == 0, (step, report)
             rollouts[step] = (stock_out, ours.worker_status()[0]["p_lane"]["jobs_done"])
         prompt = max(PROMPTS, key=len)
-        margins = [router_margins(r, prompt) for r in (stock, ours)]
+        margins = [prefill_router_margins(r.llm, prompt) for r in (stock, ours)]
         jobs_probe = ours.worker_status()[0]["p_lane"]["jobs_done"]
     (before, jobs_before), (after, jobs_after) = rollouts["before"], rollouts["after"]
     assert sum(a != b for a, b in zip(before, after)) >= len(PROMPTS) // 2  # the update took
@@ -188,17 +189,6 @@ def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
     for layer, (s, o) in enumerate(zip(stock_margins, ours_margins)):
         assert len(s) == len(o) == len(prompt), (layer, len(s), len(o))
         assert min(s) > 0 and o == pytest.approx(s, abs=1e-4), layer
-
-
-def router_margins(runner, prompt: list[int]) -> list[list[float]]:
-    """Every MoE layer's top-k router margin per token of one fresh prefill of `prompt`."""
-    from vllm import SamplingParams, TokensPrompt
-
-    assert runner.llm.reset_prefix_cache()
-    assert runner.llm.collective_rpc("start_router_margins")[0] == 4
-    runner.llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                        SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    return runner.llm.collective_rpc("stop_router_margins")[0]
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])

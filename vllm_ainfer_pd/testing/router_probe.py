@@ -48,6 +48,20 @@ class RouterProbe(WeightUpdate):
         return rows
 
 
+def prefill_router_margins(llm, tokens: list[int]) -> list[list[float]]:
+    """Driver side, on a `vllm.LLM` with this extension: one fresh prefill of `tokens` (the prefix
+    cache reset first, so every position is computed) with the routers hooked; rank 0's margins
+    per MoE layer, in position order (the prefill's rows come first)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("cannot reset the prefix cache: requests are still running")
+    llm.collective_rpc("start_router_margins")
+    llm.generate([TokensPrompt(prompt_token_ids=tokens)],
+                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return llm.collective_rpc("stop_router_margins")[0]
+
+
 def _margin(router_logits: torch.Tensor, k: int) -> torch.Tensor:
     top = torch.topk(router_logits.float(), k + 1, dim=-1).values
     return (top[:, k - 1] - top[:, k]).cpu()
