@@ -7,6 +7,7 @@
 #   tp1spec    TP=1 bf16, P lane on, speculative decoding on both engines: vLLM's n-gram drafter,
 #              then the tiny model drafting for itself (draft and acceptance counts per engine)
 #   tp1eagle   the same with a random EAGLE head (models --preset tiny --eagle, made on the machine)
+#   tp1eaglebi the same, bf16 with VLLM_BATCH_INVARIANT=1, then float32
 #   tp1dhigh   TP=1 bf16, P lane on, D's stream at high priority (d_stream_priority="high")
 #   tp1mla     TP=1 bf16, P lane on, MLA attention: the tiny-mla preset (DeepSeek-V3's layout),
 #              generated on the machine; default kernels, then VLLM_BATCH_INVARIANT=1
@@ -157,9 +158,16 @@ for job in "$@"; do
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
       parity tp1_bfloat16_draft 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
         --speculative-config '{"method": "draft_model", "model": ".gpu/tiny", "num_speculative_tokens": 3}' ;;
-    tp1eagle) python3 -m vllm_ainfer_pd.models --preset tiny --eagle --out /tmp/tiny-eagle > /dev/null &&
-      parity tp1_bfloat16_eagle 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" \
-        --speculative-config '{"method": "eagle", "model": "/tmp/tiny-eagle", "num_speculative_tokens": 3}' ;;
+    tp1eagle|tp1eaglebi)  # tp1eaglebi: bf16 with the batch-invariant kernels, then float32
+      python3 -m vllm_ainfer_pd.models --preset tiny --eagle --out /tmp/tiny-eagle > /dev/null || continue
+      eagle=(0 --model .gpu/tiny --tp 1 --additional-config "$LANE"
+             --speculative-config '{"method": "eagle", "model": "/tmp/tiny-eagle", "num_speculative_tokens": 3}')
+      if [[ $job == tp1eagle ]]; then
+        parity tp1_bfloat16_eagle "${eagle[@]}" --dtype bfloat16
+      else
+        VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_eagle_bi "${eagle[@]}" --dtype bfloat16
+        parity tp1_float32_eagle "${eagle[@]}" --dtype float32
+      fi ;;
     tp1mla|tp1mlalong|tp1mlatail)
       # MLA attention (the tiny-mla preset, DeepSeek-V3's layout, generated here): default kernels,
       # then vLLM's batch-invariant ones; tp1mlalong: --long-prompts, batch-invariant first

@@ -125,8 +125,13 @@ def analyze(events: list[dict]) -> dict:
     for k in device:
         by_stream[str(k.get("args", {}).get("stream"))].append((k["ts"], k["ts"] + k["dur"]))
     stream_busy = {s: _union(ivs) for s, ivs in sorted(by_stream.items())}
-    stream_overlap = {f"{a}&{b}": _intersection(stream_busy[a], stream_busy[b]) / 1e3
-                      for i, a in enumerate(stream_busy) for b in list(stream_busy)[i + 1:]}
+    # Only the pairs that overlap at all: a graph replay can spread over hundreds of streams
+    # (MLA's captured graphs do), and every pair of those would fill the summary with zeros.
+    stream_overlap = {}
+    for i, a in enumerate(stream_busy):
+        for b in list(stream_busy)[i + 1:]:
+            if ms := _intersection(stream_busy[a], stream_busy[b]) / 1e3:
+                stream_overlap[f"{a}&{b}"] = ms
 
     d_busy = _union([iv for tid in d_tids for iv in by_tid.get(tid, [])])
     p_busy = _union([iv for tid, ivs in by_tid.items() if tid not in d_tids for iv in ivs])
@@ -185,7 +190,9 @@ def main() -> None:
         print(f"{name}: D busy {r['d_busy_ms']:.1f} ms, P busy {r['p_busy_ms']:.1f} ms, "
               f"overlapped {r['p_overlapped_by_d_ms']:.1f} ms "
               f"({'n/a' if fraction is None else f'{fraction:.3f}'}), "
-              f"window {r['window_ms']:.1f} ms; by stream {r['stream_busy_ms']}", flush=True)
+              f"window {r['window_ms']:.1f} ms; streams busy over 1 ms: "
+              f"{ {st: round(ms, 1) for st, ms in r['stream_busy_ms'].items() if ms > 1} }",
+              flush=True)
         for t in r["threads"]:
             print(f"  tid {t['tid']} ({t['role']}): device {t['device_busy_ms']:.1f} ms in "
                   f"{t['device_ops']} ops on streams {t['streams']}, {t['runtime_calls']} calls "
