@@ -121,7 +121,8 @@ def versions(extra: dict | None = None) -> dict:
 def offline_parity(args, result: dict) -> None:
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.parity import LLMRunner, compare, parity_waves, run_waves
+    from vllm_ainfer_pd.testing.parity import (LLMRunner, compare, parity_waves, run_waves,
+                                               stock_alone)
 
     engine_args = dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp,
                        max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0,
@@ -184,9 +185,9 @@ def offline_parity(args, result: dict) -> None:
     if args.speculative_config is not None:  # before teacher forcing adds its own steps
         result["stock_spec_decode"] = stock.spec_decode_counts()
     report = compare(prompts, stock_out, ours_out, stock.teacher_force)
+    alone = stock_alone(stock, prompts, stock_out, ours_out, report.failed, args.max_tokens)
     stock_llm.llm_engine.engine_core.shutdown()
-    result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
-    print(report, flush=True)
+    record(result, report, alone)
 
 
 def lane_metrics(url: str) -> tuple[dict[str, float], list[str]]:
@@ -209,7 +210,8 @@ def lane_metrics(url: str) -> tuple[dict[str, float], list[str]]:
 
 
 def serve_parity(args, result: dict) -> None:
-    from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
+    from vllm_ainfer_pd.testing.parity import (ServerRunner, compare, parity_waves, run_waves,
+                                               stock_alone)
 
     flags = ["--dtype", args.dtype, "--max-model-len", "2048", "--max-num-seqs", "32",
              "--gpu-memory-utilization", "0.3", "--seed", "0", "--tensor-parallel-size",
@@ -248,10 +250,23 @@ def serve_parity(args, result: dict) -> None:
         finally:
             ours_srv.stop()
         report = compare(prompts, stock_out, ours_out, stock.teacher_force)
+        alone = stock_alone(stock, prompts, stock_out, ours_out, report.failed, args.max_tokens)
     finally:
         stock_srv.stop()
-    result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details)
+    record(result, report, alone)
+
+
+def record(result: dict, report, alone: list[dict]) -> None:
+    """The verdict, and for each failure whether stock alone gives our tokens (its own batch
+    sensitivity, `parity.stock_alone`; a diagnosis that leaves the counts as they are)."""
+    result.update(exact=report.exact, tie=report.tie, fail=report.fail, details=report.details,
+                  failed_stock_alone=alone)
     print(report, flush=True)
+    for a in alone:
+        print(f"  #{a['prompt']} on stock alone: "
+              + ("our tokens (stock's own output depends on its batch)" if a["stock_alone_is_ours"]
+                 else "stock's batched tokens" if a["stock_alone_is_stock"]
+                 else "a third output (stock's own output depends on its batch)"), flush=True)
 
 
 def _server(model: str, flags: list[str], name: str, log_dir: str | None):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ainfer_pd.testing.parity import compare, offline_llm, parity_waves, run_waves
+from vllm_ainfer_pd.testing.parity import (compare, offline_llm, parity_waves, run_waves,
+                                           stock_alone)
 from vllm_ainfer_pd.testing.router_probe import prefill_router_margins
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
@@ -129,6 +130,10 @@ def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other
     report = compare(PROMPTS, stock_out, other_out, stock.teacher_force)
     print(report)
     assert report.fail >= len(PROMPTS) // 2, report
+    # The diagnosis of failures must not blame stock's batching for other weights' tokens.
+    alone = stock_alone(stock, PROMPTS, stock_out, other_out, report.failed, MAX_TOKENS)
+    assert [a["prompt"] for a in alone] == report.failed
+    assert not any(a["stock_alone_is_ours"] for a in alone), alone
 
 
 def test_offline_tp2_matches_stock_tp2(tiny_model):

@@ -33,8 +33,10 @@ def test_divergence_at_a_near_tie_is_a_tie():
 
 def test_divergence_beyond_epsilon_fails():
     logprobs = {4: {2: -1.0, 5: -1.5}, 5: {6: -0.5}}
-    report = compare([PROMPT], [[1, 2, 3]], [[1, 5, 6]], _forced(logprobs))
+    report = compare([PROMPT, PROMPT], [[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 5, 6]],
+                     _forced(logprobs))
     assert report.fail == 1 and "gap" in report.details[0]
+    assert report.failed == [1]  # which prompt, for diagnosis (parity.stock_alone)
 
 
 def test_tie_followed_by_a_non_greedy_token_fails():
@@ -46,7 +48,7 @@ def test_tie_followed_by_a_non_greedy_token_fails():
 
 def test_length_mismatch_fails():
     report = compare([PROMPT], [[1, 2, 3]], [[1, 2]], _forced({}))
-    assert report.fail == 1
+    assert report.fail == 1 and report.failed == [0]
 
 
 def test_waves_are_deterministic_and_extend_previous_turns():

@@ -31,6 +31,7 @@ class ParityReport:
     tie: int = 0
     fail: int = 0
     details: list[str] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # indices of the prompts that failed
 
     def __str__(self) -> str:
         head = f"parity: exact={self.exact} tie={self.tie} fail={self.fail}"
@@ -49,6 +50,7 @@ def compare(prompts: Sequence[list[int]], stock: Sequence[list[int]], ours: Sequ
             report.exact += 1
         elif len(s) != len(o):
             report.fail += 1
+            report.failed.append(i)
             report.details.append(f"#{i}: {len(o)} tokens, stock produced {len(s)}")
         else:
             diverged.append(i)
@@ -63,8 +65,23 @@ def compare(prompts: Sequence[list[int]], stock: Sequence[list[int]], ours: Sequ
             report.details.append(f"#{i}: tie at output {first} (within {epsilon} of stock's best)")
         else:
             report.fail += 1
+            report.failed.append(i)
             report.details.append(f"#{i}: first differs at output {first}; {verdict}")
     return report
+
+
+def stock_alone(runner, prompts: Sequence[list[int]], stock: Sequence[list[int]],
+                ours: Sequence[list[int]], failed: Sequence[int], max_tokens: int) -> list[dict]:
+    """A diagnosis of failures, not a verdict: each failed prompt once more on stock, alone in its
+    batch. Stock giving our tokens there means its own output depends on its batch (a near-tie
+    upstream of the output logits, such as an MoE router's top-k margin, which another batch's
+    kernels resolve the other way), so the lane's different batches are enough to differ."""
+    found = []
+    for i in failed:
+        alone = runner.generate([list(prompts[i])], max_tokens)[0]
+        found.append({"prompt": i, "stock_alone_is_ours": alone == list(ours[i]),
+                      "stock_alone_is_stock": alone == list(stock[i])})
+    return found
 
 
 def _judge_suffix(prompt, output, logprobs, first: int, epsilon: float) -> str | None:
@@ -128,7 +145,6 @@ class LLMRunner:
                                  use_tqdm=False)
         return [[None if d is None else {t: lp.logprob for t, lp in d.items()}
                  for d in o.prompt_logprobs] for o in outs]
-
 
     def worker_status(self) -> list[dict]:
         """Every rank's `AInferPDWorker.ainfer_pd_status()` (fails on a stock engine)."""
