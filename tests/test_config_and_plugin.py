@@ -148,6 +148,41 @@ def test_lora_is_refused_with_the_lane_and_allowed_without(vllm_config):
     assert AInferPDExecutor.validate(vllm_config).mode == "normal"
 
 
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"enable_expert_parallel": True, "data_parallel_size": 2,
+      "all2all_backend": "deepep_low_latency"},
+     r"with expert parallelism over 2 DP ranks runs P's MoE dispatch beside D's, and "
+     r"all2all_backend='deepep_low_latency' keeps buffers both would share; use "
+     r"--all2all-backend allgather_reducescatter or mode='normal'"),
+    ({"decode_context_parallel_size": 2},
+     r"does not run context parallelism \(decode_context_parallel_size=2\)"),
+    ({"prefill_context_parallel_size": 2},
+     r"does not run context parallelism \(prefill_context_parallel_size=2\)"),
+])
+def test_a_layout_the_lane_cannot_run_is_named_and_runs_without_the_lane(vllm_config, fields,
+                                                                           message):
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    for field, value in fields.items():
+        setattr(vllm_config.parallel_config, field, value)
+    with pytest.raises(ConfigError, match=message):
+        AInferPDExecutor.validate(vllm_config)
+    vllm_config.additional_config = {"ainfer_pd": {"mode": "normal"}}
+    assert AInferPDExecutor.validate(vllm_config).mode == "normal"
+
+
+def test_the_stateless_all2all_backend_and_single_dp_expert_parallelism_run_the_lane(
+        vllm_config):
+    """vLLM's all-to-all kernels run only across DP ranks; the default backend keeps no state."""
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    parallel = vllm_config.parallel_config
+    parallel.enable_expert_parallel, parallel.all2all_backend = True, "deepep_high_throughput"
+    assert AInferPDExecutor.validate(vllm_config).mode == "pd"  # DP=1: no all-to-all kernels
+    parallel.data_parallel_size, parallel.all2all_backend = 2, "allgather_reducescatter"
+    assert AInferPDExecutor.validate(vllm_config).mode == "pd"
+
+
 def test_model_runner_v2_is_refused_with_the_variable_that_turns_it_off(vllm_config, monkeypatch):
     """vLLM picks Model Runner V2 on GPU for dense models and some MoE architectures unless
     VLLM_USE_V2_MODEL_RUNNER=0; the CPU platform cannot build a V2 config (no Triton), so the

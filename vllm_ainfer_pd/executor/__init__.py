@@ -23,6 +23,10 @@ PLATFORM_WORKERS = (
     "vllm.v1.worker.cpu_worker.CPUWorker",
     "vllm.v1.worker.gpu_worker.Worker",
 )
+# vLLM's all-to-all backends that keep no state between calls: all-gather, then reduce-scatter,
+# on the EP group. Every other backend (DeepEP, MoRI, NIXL EP, FlashInfer's) owns buffers,
+# counters or handles that P's dispatch beside D's would share.
+STATELESS_ALL2ALL = ("allgather_reducescatter", "naive")
 
 
 class AInferPDExecutor(MultiprocExecutor):
@@ -61,6 +65,8 @@ class AInferPDExecutor(MultiprocExecutor):
             # own thread and batch, would apply it to the wrong tokens.
             raise ConfigError("ainfer_pd mode='pd' does not run LoRA adapters (--enable-lora): "
                               "the P lane's forward has no adapter mapping; use mode='normal'")
+        if config.p_lane_enabled:
+            check_lane_parallelism(parallel)
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls
         if scheduler_cls not in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
             raise ConfigError(
@@ -78,6 +84,26 @@ class AInferPDExecutor(MultiprocExecutor):
         scheduler.scheduler_cls = ASYNC_SCHEDULER_CLS if scheduler.async_scheduling \
             else SCHEDULER_CLS
         super()._init_executor()
+
+
+def check_lane_parallelism(parallel) -> None:
+    """The layouts the P lane cannot run, named. Context parallelism splits each request's KV over
+    ranks, which the lane's own attention metadata (`worker/p_batch.py`) does not describe. With
+    expert parallelism across DP ranks (vLLM's all-to-all kernels), P's dispatch runs beside D's,
+    so only a stateless all-to-all backend keeps the phases apart: phase-owned DeepEP buffers
+    (P on the high-throughput path, D on the low-latency one) are not built yet."""
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) != 1:
+            raise ConfigError(f"ainfer_pd mode='pd' does not run context parallelism "
+                              f"({name}={getattr(parallel, name)}); use mode='normal'")
+    backend = parallel.all2all_backend
+    if (parallel.enable_expert_parallel and parallel.data_parallel_size > 1
+            and backend not in STATELESS_ALL2ALL):
+        raise ConfigError(
+            f"ainfer_pd mode='pd' with expert parallelism over {parallel.data_parallel_size} DP "
+            f"ranks runs P's MoE dispatch beside D's, and all2all_backend={backend!r} keeps "
+            f"buffers both would share; use --all2all-backend allgather_reducescatter or "
+            f"mode='normal'")
 
 
 def configure_p_lane(vllm_config, config: AInferPDConfig) -> None:
