@@ -91,7 +91,13 @@ def check_lane_parallelism(parallel) -> None:
     ranks, which the lane's own attention metadata (`worker/p_batch.py`) does not describe. With
     expert parallelism across DP ranks (vLLM's all-to-all kernels), P's dispatch runs beside D's,
     so only a stateless all-to-all backend keeps the phases apart: phase-owned DeepEP buffers
-    (P on the high-throughput path, D on the low-latency one) are not built yet."""
+    (P on the high-throughput path, D on the low-latency one) are not built yet. Expert load
+    balancing moves expert weights after a D step, while a P epoch may be parked between layers
+    with kernels still queued on its stream."""
+    if parallel.enable_eplb:
+        raise ConfigError("ainfer_pd mode='pd' does not run expert load balancing "
+                          "(--enable-eplb): it moves expert weights under a parked P epoch; "
+                          "use mode='normal'")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) != 1:
             raise ConfigError(f"ainfer_pd mode='pd' does not run context parallelism "
