@@ -9,7 +9,10 @@ DP2+EP is compared with stock TP=1 under the tie rule, as the parity harness all
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import threading
 import time
 
 import pytest
@@ -219,6 +222,39 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
     # Both DP ranks ran every epoch (a rank without P runs a matched no-work epoch).
     per_rank = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks.values()]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, ranks
+
+    # Stopped as a process manager stops it (SIGTERM to `vllm serve` alone) while P epochs are
+    # open: every process of the server ends, none is left waiting in a rendezvous.
+    _stop_with_p_in_flight(srv, tiny_model)
+
+
+def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 60.0) -> None:
+    client = ServerRunner(srv.url, model).client()
+
+    def send(prompt: list[int]) -> None:
+        try:
+            client.completions.create(model=model, prompt=prompt, max_tokens=32)
+        except Exception:  # the server going away mid-request is the point
+            pass
+
+    for prompt in _fresh_prompts(4, (1500,) * 8):
+        threading.Thread(target=send, args=(prompt,), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while lane_metrics(srv.url).get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0:
+        assert time.monotonic() < deadline, "no P job in flight"
+        time.sleep(0.5)
+    group = srv.proc.pid  # the server runs in its own session
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    assert srv.proc.wait(timeout_s) == 0, srv.log_tail(40)
+    while True:  # its engine cores and workers
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, f"processes of the server alive {timeout_s:.0f} s " \
+                                             f"after SIGTERM:\n{srv.log_tail(40)}"
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("fail", ["0", "0@1"], ids=["every-rank", "rank1-alone"])
