@@ -46,9 +46,11 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
-                       max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
-                       enable_prefix_caching=False, **args.engine_args)
+    # --engine-args adds to these defaults and overrides them (e.g. a CPU run's smaller
+    # gpu_memory_utilization).
+    engine_args = {**dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
+                          max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
+                          enable_prefix_caching=False), **args.engine_args}
     llm = LLM(**engine_args,
               worker_extension_cls="vllm_ainfer_pd.testing.router_probe.RouterProbe")
     if args.update:

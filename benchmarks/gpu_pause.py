@@ -98,9 +98,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     # 64 tokens per step: each prompt is prefilled in parts over several epochs, so the pauses
     # meet P in flight while earlier prompts decode.
-    engine_args = dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
-                       max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
-                       **args.engine_args)
+    engine_args = {**dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
+                          max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0),
+                   **args.engine_args}  # --engine-args may also override these
     lane = {"ainfer_pd": {"p_lane_min_tokens": 32}} if args.backend == "ainfer_pd" else (
         {"ainfer_pd": {"mode": "normal"}} if args.backend == "normal" else None)
     result: dict = {"engine_args": engine_args, "ours_additional_config": lane,
@@ -131,7 +131,7 @@ def judge(runs: dict, engine_args: dict, modes: list[str], updated: bool,
           result: dict) -> list[str]:
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.parity import LLMRunner, compare
+    from vllm_ainfer_pd.testing.parity import LLMRunner, compare, stock_alone
     from vllm_ainfer_pd.testing.pause_resume import EXTENSION, judge_continuations
 
     failed = []
@@ -162,7 +162,10 @@ def judge(runs: dict, engine_args: dict, modes: list[str], updated: bool,
         for name in ("fresh_before_sleep", "fresh"):
             report = compare(prompts(4), expected, runs[name], stock.teacher_force)
             checks[name] = {"exact": report.exact, "tie": report.tie, "fail": report.fail,
-                            "details": report.details}
+                            "details": report.details,
+                            "failed_stock_alone": stock_alone(stock, prompts(4), expected,
+                                                              runs[name], report.failed,
+                                                              MAX_TOKENS)}
             print(name, report, flush=True)
             if report.fail:
                 failed.append(f"{name} parity")
