@@ -99,9 +99,9 @@ def check_lane_parallelism(parallel) -> None:
                           "(--enable-eplb): it moves expert weights under a parked P epoch; "
                           "use mode='normal'")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if getattr(parallel, name, 1) != 1:
+        if (size := getattr(parallel, name)) != 1:
             raise ConfigError(f"ainfer_pd mode='pd' does not run context parallelism "
-                              f"({name}={getattr(parallel, name)}); use mode='normal'")
+                              f"({name}={size}); use mode='normal'")
     backend = parallel.all2all_backend
     if (parallel.enable_expert_parallel and parallel.data_parallel_size > 1
             and backend not in STATELESS_ALL2ALL):
