@@ -16,10 +16,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from contextlib import ExitStack
+
+# The test harness (ainfer_pd_testing) is not installed with the package: import it from this
+# checkout, run as `python benchmarks/decode_overhead.py` with or without the package installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> None:
@@ -32,8 +37,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    from ainfer_pd_testing.parity import offline_llm
     from vllm_ainfer_pd.models import ensure_model
-    from vllm_ainfer_pd.testing.parity import offline_llm
 
     model = args.model or str(ensure_model("tiny", 0))
     prompts = [[3 + (7 * i + j) % 500 for j in range(8)] for i in range(args.requests)]
@@ -82,7 +87,7 @@ def main() -> None:
 def gpu_llm(model: str, backend: str | None = None, **engine_args):
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.parity import LLMRunner
+    from ainfer_pd_testing.parity import LLMRunner
 
     if backend is not None:
         engine_args["distributed_executor_backend"] = backend

@@ -10,8 +10,8 @@ the prompt sits on such a tie and no backend can be judged on it.
 
 With `--router-margins` (and `--engine-args '{"enforce_eager": true}'`: module hooks do not fire in
 compiled graphs) it also prefills the prompt and stock's first `--tokens-fed` output tokens once
-more and records every MoE router's top-k margin per position (`testing/router_probe.py`): the
-smallest margins say where a near-tie is, and how near.
+more and records every MoE router's top-k margin per position
+(`ainfer_pd_testing/router_probe.py`): the smallest margins say where a near-tie is, and how near.
 
     python3 benchmarks/gpu_batch_sensitivity.py --model .gpu/tiny --out probe.json [--update]
         [--router-margins --engine-args '{"enforce_eager": true}']
@@ -46,13 +46,14 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from ainfer_pd_testing.router_probe import EXTENSION
+
     # --engine-args adds to these defaults and overrides them (e.g. a CPU run's smaller
     # gpu_memory_utilization).
     engine_args = {**dict(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=16,
                           max_num_batched_tokens=64, gpu_memory_utilization=0.3, seed=0,
                           enable_prefix_caching=False), **args.engine_args}
-    llm = LLM(**engine_args,
-              worker_extension_cls="vllm_ainfer_pd.testing.router_probe.RouterProbe")
+    llm = LLM(**engine_args, worker_extension_cls=EXTENSION)
     if args.update:
         llm.collective_rpc("perturb_weights", args=(SEED,))
     every = prompts(4)
@@ -84,7 +85,7 @@ def main() -> int:
 
 def router_margins(llm, tokens: list[int]) -> dict:
     """One prefill of `tokens` with the routers hooked: the smallest top-k margins."""
-    from vllm_ainfer_pd.testing.router_probe import prefill_router_margins
+    from ainfer_pd_testing.router_probe import prefill_router_margins
 
     rows = prefill_router_margins(llm, tokens)
     if not rows or any(len(r) < len(tokens) for r in rows):

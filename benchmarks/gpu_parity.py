@@ -12,7 +12,7 @@ for DP (vLLM's `LLM()` refuses DP>1), compared with stock vLLM serving the same 
 Both engines use CUDA graphs and torch.compile (vLLM's defaults) and the V1 GPU model runner, unless
 `--enforce-eager` (both engines, for diagnosis). `--additional-config` goes to our engine only;
 `--load-format`, `--compilation-config` and `--disable-custom-all-reduce` go to both. The stock
-engine stays up as the teacher forcer for the tie rule (vllm_ainfer_pd/testing/parity.py).
+engine stays up as the teacher forcer for the tie rule (ainfer_pd_testing/parity.py).
 Writes a JSON report with exact/tie/fail counts, our workers' P-lane counters (offline: every rank's
 `ainfer_pd_status`; served: the `vllm_ainfer_pd_*` lines of `/metrics`), timings and versions. If an
 engine fails, the report is still written, with the error and its traceback, and the exit status
@@ -28,6 +28,10 @@ import signal
 import sys
 import time
 import traceback
+
+# The test harness (ainfer_pd_testing) is not installed with the package: import it from this
+# checkout, run as `python benchmarks/gpu_parity.py` with or without the package installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
@@ -121,8 +125,7 @@ def versions(extra: dict | None = None) -> dict:
 def offline_parity(args, result: dict) -> None:
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.parity import (LLMRunner, compare, parity_waves, run_waves,
-                                               stock_alone)
+    from ainfer_pd_testing.parity import LLMRunner, compare, parity_waves, run_waves, stock_alone
 
     engine_args = dict(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp,
                        max_model_len=2048, max_num_seqs=32, gpu_memory_utilization=0.3, seed=0,
@@ -210,8 +213,7 @@ def lane_metrics(url: str) -> tuple[dict[str, float], list[str]]:
 
 
 def serve_parity(args, result: dict) -> None:
-    from vllm_ainfer_pd.testing.parity import (ServerRunner, compare, parity_waves, run_waves,
-                                               stock_alone)
+    from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves, stock_alone
 
     flags = ["--dtype", args.dtype, "--max-model-len", "2048", "--max-num-seqs", "32",
              "--gpu-memory-utilization", "0.3", "--seed", "0", "--tensor-parallel-size",
@@ -274,7 +276,7 @@ def _server(model: str, flags: list[str], name: str, log_dir: str | None):
     it survives a run killed at its time limit."""
     from pathlib import Path
 
-    from vllm_ainfer_pd.testing.server import VllmServer
+    from vllm_ainfer_pd.rollout.server import VllmServer
 
     server = VllmServer(model, flags, name=name)
     if log_dir:

@@ -1,4 +1,4 @@
-"""Pausing with P in flight on the GPU (vllm_ainfer_pd/testing/pause_resume.py, as
+"""Pausing with P in flight on the GPU (ainfer_pd_testing/pause_resume.py, as
 tests/test_pause_resume.py does on the CPU), with what only the GPU has: CUDA graphs, vLLM's
 async scheduling and sleep mode.
 
@@ -23,6 +23,10 @@ import signal
 import sys
 import traceback
 
+# The test harness (ainfer_pd_testing) is not installed with the package: import it from this
+# checkout, run as `python benchmarks/gpu_pause.py` with or without the package installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 MAX_TOKENS = 16
@@ -40,7 +44,7 @@ async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_ainfer_pd.testing.pause_resume import (
+    from ainfer_pd_testing.pause_resume import (
         EXTENSION,
         lane_status,
         paused_rollout,
@@ -131,8 +135,8 @@ def judge(runs: dict, engine_args: dict, modes: list[str], updated: bool,
           result: dict) -> list[str]:
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.parity import LLMRunner, compare, stock_alone
-    from vllm_ainfer_pd.testing.pause_resume import EXTENSION, judge_continuations
+    from ainfer_pd_testing.parity import LLMRunner, compare, stock_alone
+    from ainfer_pd_testing.pause_resume import EXTENSION, judge_continuations
 
     failed = []
     checks = result["checks"]

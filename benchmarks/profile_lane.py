@@ -206,9 +206,9 @@ def _profile(args) -> list[Path]:
     from vllm_ainfer_pd.models import ensure_model
     from vllm_ainfer_pd.rollout.compare import WARMUP, CompareConfig
     from vllm_ainfer_pd.rollout.generator import generate
-    from vllm_ainfer_pd.rollout.replayer import ReplayConfig, replay
     from vllm_ainfer_pd.rollout.metrics import summarize
-    from vllm_ainfer_pd.testing.server import VllmServer
+    from vllm_ainfer_pd.rollout.replayer import ReplayConfig, replay
+    from vllm_ainfer_pd.rollout.server import VllmServer
 
     model = args.model or str(ensure_model("tiny", 0))
     prof_dir = (args.out / "torch_traces").resolve()

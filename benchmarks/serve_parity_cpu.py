@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+# The test harness (ainfer_pd_testing) is not installed with the package: import it from this
+# checkout, run as `python benchmarks/serve_parity_cpu.py` with or without the package installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int,
                 speculative_config: dict | None = None):
+    from ainfer_pd_testing.parity import ServerRunner, run_waves
     from vllm_ainfer_pd.rollout.backend_metrics import by_rank, parse, read_metrics_text
-    from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
-    from vllm_ainfer_pd.testing.parity import ServerRunner, run_waves
-    from vllm_ainfer_pd.testing.server import VllmServer
+    from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
+    from vllm_ainfer_pd.rollout.server import VllmServer
 
     args = serve_args(CPU_ENGINE_ARGS) + [
         "--distributed-executor-backend", "ainfer_pd", "--tensor-parallel-size", str(tp),
@@ -55,8 +60,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    from ainfer_pd_testing.parity import compare, offline_llm, parity_waves, run_waves
     from vllm_ainfer_pd.models import ensure_model
-    from vllm_ainfer_pd.testing.parity import compare, offline_llm, parity_waves, run_waves
 
     model = str(ensure_model("tiny", 0))
     waves = parity_waves(vocab_size=512)

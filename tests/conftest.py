@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# Imported for its side effect: this checkout on PYTHONPATH, so that the processes tests start
+# (`vllm serve`, scripts, vLLM's workers) can import the harness's worker extensions.
+import ainfer_pd_testing  # noqa: F401
 from vllm_ainfer_pd.models import ensure_model
 
 

@@ -1,15 +1,15 @@
-"""The P-lane abort storm (vllm_ainfer_pd/testing/abort_storm.py): 200 requests aborted while their
+"""The P-lane abort storm (ainfer_pd_testing/abort_storm.py): 200 requests aborted while their
 background prefill is in flight (plus aborts mid-decode and right after the P report), in a pool of
 multi-turn chats; no leaked KV block, no stuck request, no stale token vs stock vLLM, and the engine
 still serves afterwards. The 1000-abort run is the CLI,
-`python -m vllm_ainfer_pd.testing.abort_storm --aborts 1000` (benchmarks/results/cpu/).
+`python -m ainfer_pd_testing.abort_storm --aborts 1000` (benchmarks/results/cpu/).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_ainfer_pd.testing.abort_storm import run_storm
+from ainfer_pd_testing.abort_storm import run_storm
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from vllm_ainfer_pd.testing.server import vllm_command
+from vllm_ainfer_pd.rollout.server import vllm_command
 
 pytestmark = pytest.mark.timeout(300)
 

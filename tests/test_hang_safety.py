@@ -21,7 +21,7 @@ TIMEOUT_S = 8.0
 SCENARIO = textwrap.dedent(
     """
     import sys, time
-    from vllm_ainfer_pd.testing.parity import offline_llm, parity_waves
+    from ainfer_pd_testing.parity import offline_llm, parity_waves
 
     def main():
         # K=1: the epoch spans round 3 whatever the load (the stall is checked inside epochs).

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ainfer_pd.testing.parity import (compare, offline_llm, parity_waves, run_waves,
-                                           stock_alone)
-from vllm_ainfer_pd.testing.router_probe import prefill_router_margins
+from ainfer_pd_testing.parity import compare, offline_llm, parity_waves, run_waves, stock_alone
+from ainfer_pd_testing.router_probe import EXTENSION as ROUTER_PROBE
+from ainfer_pd_testing.router_probe import prefill_router_margins
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -163,10 +163,10 @@ def test_rl_weight_sync_between_rollouts_matches_stock(tiny_model):
     """The RL loop: rollout, the trainer pushes new weights through a worker extension
     (`collective_rpc`), the prefix cache is reset, rollout again. The extension mixes into our
     worker as into stock's; the lane's P runs the updated weights (the outputs change, and equal
-    stock's after the same update). Then the router probe (`testing/router_probe.py`, a
+    stock's after the same update). Then the router probe (`ainfer_pd_testing/router_probe.py`, a
     subclass of the weight update): one lane-sized prompt routes every token of every MoE layer
     with the same top-k margins in the lane as in stock's prefill."""
-    ext = {"worker_extension_cls": "vllm_ainfer_pd.testing.router_probe.RouterProbe"}
+    ext = {"worker_extension_cls": ROUTER_PROBE}
     with offline_llm(tiny_model, 1, **ext) as stock, \
             offline_llm(tiny_model, 1, backend="ainfer_pd", additional_config=LANE_ON,
                         **ext) as ours:

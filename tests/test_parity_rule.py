@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_ainfer_pd.testing.parity import TIE_EPSILON, compare, parity_waves
+from ainfer_pd_testing.parity import TIE_EPSILON, compare, parity_waves
 
 PROMPT = [7, 8, 9]
 

@@ -1,4 +1,4 @@
-"""The RL weight sync in flight (vllm_ainfer_pd/testing/pause_resume.py): `pause_generation`
+"""The RL weight sync in flight (ainfer_pd_testing/pause_resume.py): `pause_generation`
 with P jobs in the lane, new weights through a worker extension, resume. Each request must return
 what stock vLLM returns with the new weights, continuing from its tokens before the pause, and
 no KV block may stay held.
@@ -18,8 +18,8 @@ import random
 
 import pytest
 
-from vllm_ainfer_pd.testing.parity import compare, offline_llm
-from vllm_ainfer_pd.testing.pause_resume import (
+from ainfer_pd_testing.parity import compare, offline_llm
+from ainfer_pd_testing.pause_resume import (
     EXTENSION,
     async_engine,
     judge_continuations,

@@ -17,10 +17,10 @@ import time
 
 import pytest
 
+from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text, scrape
-from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
-from vllm_ainfer_pd.testing.parity import ServerRunner, compare, parity_waves, run_waves
-from vllm_ainfer_pd.testing.server import VllmServer
+from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
+from vllm_ainfer_pd.rollout.server import VllmServer
 from vllm_ainfer_pd.worker.p_lane import FAIL_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]

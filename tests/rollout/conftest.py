@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_ainfer_pd.models.generate import ensure_model
-from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
-from vllm_ainfer_pd.testing.server import VllmServer
+from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
+from vllm_ainfer_pd.rollout.server import VllmServer
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,6 @@ def tiny_server():
 @pytest.fixture
 def dead_url() -> str:
     """A URL on which nothing listens (a port just freed)."""
-    from vllm_ainfer_pd.testing.server import free_port
+    from vllm_ainfer_pd.rollout.server import free_port
 
     return f"http://127.0.0.1:{free_port()}"

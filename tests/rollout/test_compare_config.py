@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vllm_ainfer_pd.rollout.compare import AINFER, CompareConfig
-from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, serve_args
+from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, serve_args
 
 
 def test_backends_differ_only_in_their_own_flags():

@@ -137,7 +137,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if platform == "auto":
         platform = "gpu" if shutil.which("nvidia-smi") else "cpu"
     if platform == "cpu":  # before generating or loading a model
-        from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS
+        from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS
 
         trace.check_fits(CPU_ENGINE_ARGS["max_model_len"])
     schedule = args.schedule
@@ -183,7 +183,8 @@ def cmd_ttft(args: argparse.Namespace) -> None:
             records = [RequestRecord(**json.loads(line)) for line in text.splitlines()
                        if line.strip()]
         except (json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"{name}: not a records file written by replay/compare ({e})") from None
+            raise ValueError(
+                f"{name}: not a records file written by replay/compare ({e})") from None
         split = ttft_by_turn_kind(records, args.lane_min_tokens)
         cells = [f"{kind}: n={d['n']} p50={d['p50']:.3f} p99={d['p99']:.3f}"
                  for kind, d in split["ttft_s"].items()]

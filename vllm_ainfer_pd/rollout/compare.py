@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ainfer_pd.rollout import backend_metrics, report
+from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.rollout.metrics import summarize
 from vllm_ainfer_pd.rollout.replayer import ReplayConfig, ReplayError, replay
+from vllm_ainfer_pd.rollout.server import ServerError, VllmServer
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn, dump_trace
-from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, cpu_env, serve_args
-from vllm_ainfer_pd.testing.server import ServerError, VllmServer
 
 AINFER = ["--distributed-executor-backend", "ainfer_pd"]
 WARMUP = Trace((Trajectory("warmup", (Turn(64, 8), Turn(16, 8, 0.0))),))

@@ -25,9 +25,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from vllm_ainfer_pd.testing.parity import ParityReport, compare
+from ainfer_pd_testing.parity import ParityReport, compare
 
-EXTENSION = "vllm_ainfer_pd.testing.weight_update.WeightUpdate"
+EXTENSION = "ainfer_pd_testing.weight_update.WeightUpdate"
 
 
 @dataclass
@@ -48,7 +48,7 @@ def async_engine(model: str, **engine_args):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, apply_cpu_env
+    from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, apply_cpu_env
 
     apply_cpu_env(engine_args.get("tensor_parallel_size", 1)
                   * engine_args.get("data_parallel_size", 1))

@@ -218,7 +218,7 @@ def offline_llm(model: str, tensor_parallel_size: int = 1, backend: str | None =
     exit so the next engine gets the cores. `backend=None` is stock vLLM."""
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, apply_cpu_env
+    from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, apply_cpu_env
 
     apply_cpu_env(tensor_parallel_size)
     args = {**CPU_ENGINE_ARGS, "tensor_parallel_size": tensor_parallel_size, **engine_args}

@@ -1,5 +1,5 @@
 """How close an MoE router is to choosing other experts, per token: a worker extension
-(`LLM(..., worker_extension_cls="vllm_ainfer_pd.testing.router_probe.RouterProbe")`) for telling
+(`LLM(..., worker_extension_cls="ainfer_pd_testing.router_probe.RouterProbe")`) for telling
 a near-tie upstream from a real divergence.
 
 The parity harness accepts a differing token only where stock's own output logprobs show a tie.
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ainfer_pd.testing.weight_update import WeightUpdate
+from ainfer_pd_testing.weight_update import WeightUpdate
+
+EXTENSION = "ainfer_pd_testing.router_probe.RouterProbe"
 
 
 class RouterProbe(WeightUpdate):

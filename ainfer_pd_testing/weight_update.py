@@ -1,5 +1,5 @@
 """A worker extension for the RL loop's weight sync: `LLM(..., worker_extension_cls=
-"vllm_ainfer_pd.testing.weight_update.WeightUpdate")`, then `llm.collective_rpc("perturb_weights",
+"ainfer_pd_testing.weight_update.WeightUpdate")`, then `llm.collective_rpc("perturb_weights",
 args=(seed,))` between rollouts, as an RL trainer pushes new weights into the rollout engine.
 
 The update is deterministic and a function of each weight's value alone (no random stream over a

@@ -31,7 +31,7 @@ Checks (each failure is one line with the numbers, in `StormReport.failures`):
 The storm is deterministic for a seed (one process drives the in-process engine step by step,
 greedy sampling), so a failure reproduces with the same seed and arguments; failures name the step.
 
-CLI: `python -m vllm_ainfer_pd.testing.abort_storm --aborts 1000 [--seed 0] [--json out.json]`;
+CLI: `python -m ainfer_pd_testing.abort_storm --aborts 1000 [--seed 0] [--json out.json]`;
 exit code 1 when a check fails.
 """
 
@@ -202,7 +202,7 @@ def _build_engine(model: str, p_lane_min_tokens: int, kv_blocks: int | None = No
                   max_num_batched_tokens: int | None = None):
     from vllm import LLM
 
-    from vllm_ainfer_pd.testing.cpu import CPU_ENGINE_ARGS, apply_cpu_env
+    from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, apply_cpu_env
 
     apply_cpu_env(1)
     args = {**CPU_ENGINE_ARGS, "tensor_parallel_size": 1,
@@ -246,7 +246,7 @@ def run_storm(
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.request import RequestStatus
 
-    from vllm_ainfer_pd.testing.parity import compare, offline_llm
+    from ainfer_pd_testing.parity import compare, offline_llm
 
     if log is None:
         def log(line: str) -> None:
@@ -597,7 +597,7 @@ def _name_detail(detail: str, done: list[_Turn]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_ainfer_pd.testing.abort_storm",
+        prog="python -m ainfer_pd_testing.abort_storm",
         description="Abort requests mid-P (and mid-D) in the ainfer_pd P lane; check for leaks, "
                     "hangs and stale tokens against stock vLLM.")
     parser.add_argument("--model", default=None,

@@ -1,5 +1,5 @@
-"""Settings that let multi-rank vLLM run on a small CPU machine (set by the harness, not by
-hand)."""
+"""Settings that let multi-rank vLLM run on a small CPU machine: the rollout comparison's `cpu`
+platform applies them to every server it starts, and the tests use the same ones."""
 
 from __future__ import annotations
 

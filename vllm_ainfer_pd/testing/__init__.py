@@ -1,1 +1,0 @@
-"""Harness shared by tests, scripts and benchmarks: CPU settings, `vllm serve` lifecycle, parity."""
