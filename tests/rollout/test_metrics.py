@@ -189,6 +189,34 @@ def test_report_has_medians_iqr_ratios_and_absent_counters(tmp_path):
     assert all((tmp_path / n).stat().st_size > 10_000 for n in ("ccdf.png", "makespan.png"))
 
 
+def test_report_shows_the_lanes_prompt_tokens_apart_from_prefix_cache_hits():
+    """vLLM counts the lane's tokens as `external_kv_transfer` and within its cached tokens; the
+    report gives them their own row and takes the hit rate from the prefix cache alone (the
+    counts of the checked-in CPU rollout: both backends hit the prefix cache equally)."""
+    src = 'vllm:prompt_tokens_by_source_total{source="%s"}'
+
+    def counters(compute, hits, lane):
+        return {"vllm:prompt_tokens_total": compute + hits + lane, src % "local_compute": compute,
+                src % "local_cache_hit": hits, src % "external_kv_transfer": lane,
+                "vllm:prompt_tokens_cached_total": hits + lane}
+
+    backends = {
+        "stock": {"args": [], "error": None,
+                  "runs": [_run("stock", 0, 10, counters(9546, 11904, 0))]},
+        "ainfer_pd": {"args": [], "error": None,
+                      "runs": [_run("ainfer_pd", 0, 9, counters(7702, 11904, 1844))]},
+    }
+    md = report.markdown(report.build({}, backends))
+    assert "| prefilled by the P lane | 0 | 1844 |" in md
+    assert "| prefix-cache hits | 11904 | 11904 |" in md
+    assert "| vLLM's `cached` (prefix-cache hits + P lane) | 11904 | 13748 |" in md
+    assert "| prefix-cache hit rate (hits / prompt tokens) | 55.5% | 55.5% |" in md
+    # a server without the per-source counter: no table, nothing estimated in its place
+    for b in backends.values():
+        b["runs"][0]["counters"] = {"vllm:prompt_tokens_total": 100.0}
+    assert "prefilled by the P lane" not in report.markdown(report.build({}, backends))
+
+
 def test_merge_joins_parts_run_on_different_devices(tmp_path):
     def part(name, makespans):
         runs = [_run(name, i, m, {}) for i, m in enumerate(makespans)]

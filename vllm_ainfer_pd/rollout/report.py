@@ -13,8 +13,19 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vllm_ainfer_pd.rollout.backend_metrics import PREFIX
+from vllm_ainfer_pd.rollout.backend_metrics import BY_SOURCE, PREFIX
 from vllm_ainfer_pd.rollout.metrics import quantile
+
+# Where each prompt token came from: (row label, counter). vLLM counts what the P lane prefilled as
+# tokens arriving through the KV connector, so they sit in `external_kv_transfer` and inside
+# `vllm:prompt_tokens_cached_total`: only `local_cache_hit` is prefix-cache reuse.
+PROMPT_SOURCES = [
+    ("prompt tokens", "vllm:prompt_tokens_total"),
+    ("computed inline (D's steps)", BY_SOURCE + '{source="local_compute"}'),
+    ("prefix-cache hits", BY_SOURCE + '{source="local_cache_hit"}'),
+    ("prefilled by the P lane", BY_SOURCE + '{source="external_kv_transfer"}'),
+    ("vLLM's `cached` (prefix-cache hits + P lane)", "vllm:prompt_tokens_cached_total"),
+]
 
 # (summary key path, label, display scale). Every metric is lower-is-better except requests/s.
 METRICS = [
@@ -115,8 +126,37 @@ def markdown(report: dict[str, Any]) -> str:
             ok = b0 and bn and b0["n"] and bn["n"] and b0["median"]
             ratios.append(f"{bn['median'] / b0['median']:.3f}" if ok else "n/a")
         lines.append("| " + " | ".join([label, *cells, *ratios]) + " |")
-    lines += ["", *_counters_md(backends)]
+    lines += ["", *prompt_sources_md(backends), *_counters_md(backends)]
     return "\n".join(lines) + "\n"
+
+
+def prompt_sources_md(backends: dict[str, dict[str, Any]]) -> list[str]:
+    """Prompt tokens by source per backend (median over repetitions), with the prefix-cache hit
+    rate from `local_cache_hit` alone; empty when no server exported vLLM's per-source counter."""
+    names = list(backends)
+    if not any(c in b["aggregate"] for b in backends.values() for _, c in PROMPT_SOURCES[1:4]):
+        return []
+
+    def median(name: str, counter: str) -> float:
+        s = backends[name]["aggregate"].get(counter)
+        return s["median"] if s and s["n"] else math.nan
+
+    lines = ["Prompt tokens by source per replay (median over repetitions). The P lane's tokens "
+             "reach vLLM through the KV connector: vLLM counts them as `external_kv_transfer` "
+             "and within its cached tokens, so compare prefix-cache reuse on the hit rate below.",
+             "", "| source | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for label, counter in PROMPT_SOURCES:
+        cells = ["n/a" if math.isnan(x) else f"{x:.0f}" for x in
+                 (median(n, counter) for n in names)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    rates = []
+    for n in names:
+        total = median(n, PROMPT_SOURCES[0][1])
+        hits = median(n, PROMPT_SOURCES[2][1])
+        known = total > 0 and not math.isnan(hits)  # NaN compares false: an absent counter
+        rates.append(f"{100 * hits / total:.1f}%" if known else "n/a")
+    lines += ["| prefix-cache hit rate (hits / prompt tokens) | " + " | ".join(rates) + " |", ""]
+    return lines
 
 
 def _counters_md(backends: dict[str, dict[str, Any]]) -> list[str]:
