@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Runs ON the lent GPU machine, from the project's root (see benchmarks/results/gpu/README.md):
-#   bash benchmarks/gpu_run.sh JOB...        carry .gpu/env (and .gpu/tiny, .gpu/tinygpu as needed)
+# Runs on a GPU machine, from the project's root (benchmarks/RESULTS.md lists what each job
+# measured):
+#   bash benchmarks/gpu_run.sh JOB...
+# Models in .gpu/ (vllm-ainfer-pd-model --preset tiny|gpu|gpu-mla --out .gpu/tiny|gpu-model|gpu-mla).
+# vLLM 0.26.0 installed, or a vLLM pack in .gpu/env (sourced when present: a machine without a
+# package index).
 # Jobs (each writes $OUT/<job>.json and logs; all logs end up in $OUT/logs.tar.gz):
 #   tp1        TP=1 bf16 and float32, P lane on (one per GPU in parallel where there are 2)
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
@@ -24,12 +28,12 @@
 #   tp1fresh   TP=1 float32, gpu_pause.py with no pause and no sleep (two plain rollouts of 16
 #              prompts on a new engine, 64-token steps), four ways: the lane with vLLM's defaults,
 #              with async scheduling off, with --enforce-eager; mode=normal (the 1-in-16
-#              divergence of 2026-12-02, README; ~150 s each, so two calls: FRESH_ONLY=default,sync
-#              then FRESH_ONLY=eager,normal)
+#              divergence after a weight update, RESULTS.md; ~150 s each, so two calls:
+#              FRESH_ONLY=default,sync then FRESH_ONLY=eager,normal)
 #   tp1tie     TP=1 float32, stock only: benchmarks/gpu_batch_sensitivity.py on prompt 7 of
 #              gpu_pause.py's prompts(4) after its weight update: stock's tokens in six batches
-#              (CUDA graphs), then in eager mode with every router's top-k margin (the divergence
-#              that follows the weight update, README, thirteenth session; ~3 min)
+#              (CUDA graphs), then in eager mode with every router's top-k margin (stock's own
+#              batch sensitivity after the weight update, RESULTS.md; ~3 min)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -51,8 +55,8 @@
 #              $PROFILE_MODEL (default .gpu/gpu-model; .gpu/gpu-mla for MLA)
 #   residency  one GPU, no vLLM: benchmarks/residency_stall.py (the residency condition of the
 #              crossed-cycle hang; also runs without the pack: python3 benchmarks/residency_stall.py)
-#   tp2dp2bi   4 GPUs (#8): TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
-#   bench4     4 GPUs (#8): TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
+#   tp2dp2bi   4 GPUs: TP=2 x DP=2 + EP served parity, bf16, batch-invariant kernels
+#   bench4     4 GPUs: TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
 #              stock, normal, pd, pd_genq, pd_whole, pd_work; output bench2dp_$BENCH2DP_TAG (default a)
@@ -64,10 +68,12 @@
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
 # 420 s); gpu_parity.py unwinds on its SIGTERM, stopping its `vllm serve` process groups.
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
-# (README in benchmarks/results/gpu).
+# (docs/support.md).
 set -u
-source .gpu/env/install.sh || exit
+if [[ -f .gpu/env/install.sh ]]; then source .gpu/env/install.sh || exit; fi
 export VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
+# The plugin's entry point for a checkout on PYTHONPATH with no install (beside an install, Python
+# reads one distribution per name).
 d=/tmp/ainfer-ep/vllm_ainfer_pd-0.1.0.dist-info
 mkdir -p $d
 printf 'Metadata-Version: 2.1\nName: vllm-ainfer-pd\nVersion: 0.1.0\n' > $d/METADATA
@@ -113,8 +119,8 @@ V_PD_WORK='pd_work={"ainfer_pd": {"segment_policy": "work", "overlap_timing": tr
 # against the decode steps they ride in.
 V_PD_LANE2K='pd_lane2k={"ainfer_pd": {"p_lane_min_tokens": 2048, "overlap_timing": true}}'
 # The cap on lane prompts in flight (max_p_inflight), which decides how fast the opening burst (64
-# prompts at t=0) enters the lane. 16 is the default since the seventh session, so `pd` runs it
-# (that session's results call it pd_inflight16); pd_inflight4 is `pd` before it.
+# prompts at t=0) enters the lane. 16 is the default, so `pd` runs it (results measured before
+# it became the default call it pd_inflight16); pd_inflight4 is the earlier default.
 V_PD_IF8='pd_inflight8={"ainfer_pd": {"max_p_inflight": 8, "overlap_timing": true}}'
 V_PD_IF4='pd_inflight4={"ainfer_pd": {"max_p_inflight": 4, "overlap_timing": true}}'
 # D's stream (vLLM's compute stream) at CUDA's highest priority, P's at the default (lowest): where
