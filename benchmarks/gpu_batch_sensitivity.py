@@ -1,6 +1,6 @@
 """Does stock vLLM itself give one prompt different greedy tokens in different batches?
 
-`gpu_pause.py` found one prompt of sixteen (#7 of `prompts(4)`) where the lane's tokens differ from
+`gpu_pause.py` found one prompt of sixteen (prompt 7 of `prompts(4)`) where the lane's tokens differ from
 stock's by a logprob gap of 0.1 after the test weight update, in some runs and not others. A gap
 that large is no rounding tie of the output logits, but an MoE router whose top-k is nearly tied
 upstream turns a rounding difference (another batch, other kernels) into one. This runs the

@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     # A wall-clock limit (`timeout`) sends SIGTERM: unwind, so the `vllm serve` process groups
-    # (own sessions, out of reach of `timeout`) are stopped and the report is still written.
+    # (started with setsid, out of reach of `timeout`) are stopped and the report is still written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     result: dict = {"argv": vars(args)}
     try:

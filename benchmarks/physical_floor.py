@@ -1,4 +1,4 @@
-"""The physical floor of a rollout (issue #7): the least time the hardware needs for the trace's
+"""The physical floor of a rollout: the least time the hardware needs for the trace's
 prefill compute and its decode memory traffic, to set a measured makespan against.
 
     python benchmarks/physical_floor.py --trace-preset gpu-small --model-preset gpu \\

@@ -1,4 +1,4 @@
-"""The residency condition behind the crossed-cycle hang, on one GPU (#8, item 1, in part).
+"""The residency condition behind the crossed-cycle hang, on one GPU.
 
 A collective kernel that waits for its peers spins on the SMs it holds. Two ranks that enqueue
 two such collectives in opposite orders hang only if the spinning kernel leaves no room on the

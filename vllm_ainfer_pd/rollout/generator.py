@@ -69,8 +69,8 @@ PRESETS: dict[str, TracePreset] = {
                          Target(4716, 12507), Target(3.10, 15.30), max_len=32768),
     "gpu-small": TracePreset("gpu-small", 32, 316, 10, Target(292, 3062), Target(88, 1057),
                              Target(4716, 12507), Target(3.10, 15.30), max_len=32768),
-    # One GPU layout's whole comparison (3 backends x 3 repetitions) within a device session:
-    # the paper's distributions, fewer and shorter trajectories.
+    # One GPU layout's whole comparison (3 backends x 3 repetitions) within about ten minutes of
+    # device time: the paper's distributions, fewer and shorter trajectories.
     "gpu-quick": TracePreset("gpu-quick", 64, 192, 4, Target(292, 3062), Target(88, 1057),
                              Target(4716, 12507), Target(3.10, 15.30), max_len=32768),
     "cpu": TracePreset("cpu", 16, 48, 4, Target(32, 320), Target(12, 128), Target(360, 1000),
