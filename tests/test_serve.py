@@ -243,7 +243,7 @@ def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 60.0)
     while lane_metrics(srv.url).get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0:
         assert time.monotonic() < deadline, "no P job in flight"
         time.sleep(0.5)
-    group = srv.proc.pid  # the server runs in its own session
+    group = srv.proc.pid  # the server leads its own process group (setsid)
     os.kill(srv.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     assert srv.proc.wait(timeout_s) == 0, srv.log_tail(40)
