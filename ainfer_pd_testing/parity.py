@@ -161,10 +161,13 @@ class LLMRunner:
 class ServerRunner:
     """Generation and teacher forcing through `/v1/completions` with the OpenAI Python client."""
 
-    def __init__(self, url: str, model: str, timeout_s: float = 300.0):
+    def __init__(self, url: str, model: str, timeout_s: float = 300.0,
+                 headers: dict[str, str] | None = None):
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
+        # e.g. {"X-data-parallel-rank": "0"}: vLLM routes every request to that DP rank.
+        self.headers = headers
 
     def client(self):
         """A fresh client per batch of calls: a pooled keep-alive connection left idle past the
@@ -183,7 +186,8 @@ class ServerRunner:
         def one(prompt: list[int]) -> list[int]:
             r = client.completions.create(
                 model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True})
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+                extra_headers=self.headers)
             return list(r.choices[0].token_ids)
 
         # Concurrent, so the server batches them as it would batch real traffic.

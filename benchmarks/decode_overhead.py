@@ -4,9 +4,14 @@ with it off (`mode=normal`), and stock vLLM for context, on a workload with no p
 
     python benchmarks/decode_overhead.py --reps 5 --out benchmarks/results/cpu/decode_overhead.json
     python benchmarks/decode_overhead.py --gpu --model .gpu/tiny --requests 64 --max-tokens 256 ...
+    python benchmarks/decode_overhead.py --dp 2 --reps 3 \
+        --out benchmarks/results/cpu/decode_overhead_dp2_ep.json
 
 `--gpu`: bf16 with vLLM's defaults (torch.compile, CUDA graphs), the three engines side by side on
 one GPU (a quarter of its memory each), async scheduling where vLLM turns it on.
+
+`--dp 2`: DP=2 with expert parallelism through `vllm serve` (stock vLLM 0.26 cannot serve DP+EP
+on the CPU, so `pd` is compared with `normal` alone); vLLM spreads the requests over both ranks.
 
 Reports each engine's median wall time per repetition with [min, max] and the ratio to `normal`.
 """
@@ -34,6 +39,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--gpu", action="store_true", help="GPU engine settings (see above)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks with EP (CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -47,6 +53,8 @@ def main() -> None:
         "normal": dict(backend="ainfer_pd", additional_config={"ainfer_pd": {"mode": "normal"}}),
         "stock": dict(backend=None),
     }
+    if args.dp > 1:
+        del engines["stock"]
     times: dict[str, list[float]] = {name: [] for name in engines}
     outputs = {}
     with ExitStack() as stack:
@@ -54,7 +62,8 @@ def main() -> None:
         for name, kw in engines.items():
             print(f"[decode-overhead] starting {name}", file=sys.stderr, flush=True)
             runners[name] = stack.enter_context(
-                gpu_llm(model, **kw) if args.gpu else offline_llm(model, 1, **kw))
+                gpu_llm(model, **kw) if args.gpu else dp_server(model, args.dp, **kw)
+                if args.dp > 1 else offline_llm(model, 1, **kw))
             runners[name].generate(prompts, 8)  # warm-up with the full batch
         for rep in range(args.reps):
             order = list(engines) if rep % 2 == 0 else list(reversed(engines))
@@ -65,10 +74,11 @@ def main() -> None:
             print(f"[decode-overhead] rep {rep + 1}/{args.reps}: "
                   + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in engines),
                   file=sys.stderr, flush=True)
-        lane = runners["pd"].worker_status()[0]["p_lane"]
+        lane = lane_counters(runners["pd"])
     base = statistics.median(times["normal"])
     result = {
         "platform": "gpu" if args.gpu else "cpu",
+        "layout": f"DP={args.dp} + EP" if args.dp > 1 else "TP=1",
         "workload": {"requests": args.requests, "prompt_tokens": 8,
                      "max_tokens": args.max_tokens, "reps": args.reps},
         "seconds": {n: {"median": statistics.median(t), "min": min(t), "max": max(t), "all": t}
@@ -76,11 +86,40 @@ def main() -> None:
         "ratio_to_normal": {n: statistics.median(t) / base for n, t in times.items()},
         "same_tokens_pd_vs_normal": outputs["pd"] == outputs["normal"],
         "pd_lane_epochs": lane["epochs"],
+        "pd_rendezvous_phases": lane["rendezvous_phases"],
     }
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def lane_counters(runner) -> dict[str, float]:
+    """The `pd` engine's lane counters (summed over ranks behind a server; a rank that never
+    reported any counts 0)."""
+    if not hasattr(runner, "url"):
+        return runner.worker_status()[0]["p_lane"]
+    from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
+
+    ranks = by_rank(read_metrics_text(runner.url)).values()
+    return {name: sum(r.get(f"vllm_ainfer_pd_{name}_total", 0) for r in ranks)
+            for name in ("epochs", "rendezvous_phases")}
+
+
+@contextlib.contextmanager
+def dp_server(model: str, dp: int, backend: str, additional_config: dict):
+    """`vllm serve` at DP=`dp` with expert parallelism, on the CPU harness's settings."""
+    from ainfer_pd_testing.parity import ServerRunner
+    from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
+    from vllm_ainfer_pd.rollout.server import VllmServer
+
+    flags = serve_args(CPU_ENGINE_ARGS) + [
+        "--distributed-executor-backend", backend, "--additional-config",
+        json.dumps(additional_config), "--data-parallel-size", str(dp),
+        "--enable-expert-parallel"]
+    mode = additional_config["ainfer_pd"]["mode"]
+    with VllmServer(model, flags, cpu_env(dp), name=f"decode-overhead-dp{dp}-{mode}") as srv:
+        yield ServerRunner(srv.url, model)
 
 
 @contextlib.contextmanager

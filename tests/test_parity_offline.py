@@ -136,25 +136,41 @@ def test_parity_fails_for_a_model_with_other_weights(stock_tp1, tiny_model_other
     assert not any(a["stock_alone_is_ours"] for a in alone), alone
 
 
-def test_offline_tp2_matches_stock_tp2(tiny_model):
-    """TP=2 with P's host work beside D's step (`p_host="concurrent"`): P's all-reduces use D's
-    communicators from the P thread, between D's rounds."""
-    lane = {"ainfer_pd": {**LANE_ON["ainfer_pd"], "p_host": "concurrent"}}
-    with offline_llm(tiny_model, 2) as stock:
+def test_offline_tp2_drafting_stays_inside_the_round(tiny_model, tmp_path):
+    """TP=2 with a drafter model (the tiny model drafting for itself, so the drafter's forward has
+    TP all-reduces) and P's host work beside D's step (`p_host="concurrent"`), with rank 1's
+    drafting delayed after its forward: P's segment is released only after the drafter's last
+    enqueue, so both ranks issue the same collectives in the same order (recorded per rank: had
+    P been released after the forward, rank 1's P would issue its all-reduces during the delay,
+    ahead of its drafter's, and rank 0's in another order). Greedy outputs equal stock's."""
+    from ainfer_pd_testing.collective_log import first_divergence, read_logs
+
+    spec = {"speculative_config": {"method": "draft_model", "model": tiny_model,
+                                   "num_speculative_tokens": 2}}
+    lane = {"ainfer_pd": {**LANE_ON["ainfer_pd"], "p_host": "concurrent", "timeout_s": 60.0}}
+    prefix = str(tmp_path / "collectives")
+    with offline_llm(tiny_model, 2, **spec) as stock:
         stock_out = run_waves(stock, WAVES, MAX_TOKENS)
-        with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=lane) as ours:
+        with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=lane,
+                         worker_extension_cls="ainfer_pd_testing.collective_log.CollectiveLog",
+                         **spec) as ours:
+            ours.llm.collective_rpc("start_collective_log", args=(prefix, 1, 0.02))
             ours_out = run_waves(ours, WAVES, MAX_TOKENS)
             status = ours.worker_status()
-        assert [s["worker"] for s in status] == ["AInferPDWorker"] * 2
-        assert_lane_overlapped_d(status)
-        # Both TP ranks ran the same epochs and segments (matched collectives).
-        assert status[0]["p_lane"]["segments"] == status[1]["p_lane"]["segments"]
-        # P's TP all-reduces went through the stream route, the same number on both ranks (two
-        # per layer per epoch: attention output and MoE output).
-        lanes = [s["p_lane"] for s in status]
-        assert lanes[0]["p_collectives_routed"] == lanes[1]["p_collectives_routed"] > 0
-        assert lanes[0]["p_collectives_routed"] % lanes[0]["epochs"] == 0
         report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
+    logs = read_logs(prefix, 2)
+    assert [s["worker"] for s in status] == ["AInferPDWorker"] * 2
+    assert_lane_overlapped_d(status)
+    lanes = [s["p_lane"] for s in status]
+    # Both TP ranks ran the same epochs and segments; P's TP all-reduces went through the stream
+    # route, the same number on both ranks (two per layer per epoch).
+    assert lanes[0]["segments"] == lanes[1]["segments"]
+    assert lanes[0]["p_collectives_routed"] == lanes[1]["p_collectives_routed"] > 0
+    assert lanes[0]["p_collectives_routed"] % lanes[0]["epochs"] == 0
+    # Both phases' collectives were recorded, and in one order on both ranks.
+    assert any(e.startswith("P ") for e in logs[0]) and any(e.startswith("D ") for e in logs[0])
+    assert len(logs[0]) == len(logs[1]) and first_divergence(logs) is None, \
+        first_divergence(logs)
     print(report)
     assert report.fail == 0, report
 

@@ -197,31 +197,47 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     assert _lane_total(srv.url, tiny_model) >= jobs_before + 2 * 3 + 2
 
 
-def test_serve_dp2_expert_parallel_matches_stock_tp1(stock, server, tiny_model):
+def test_serve_dp2_expert_parallel_matches_stock_tp1_with_one_rank_idle(stock, server,
+                                                                         tiny_model):
+    """DP=2 + EP with every request routed to DP rank 0 (vLLM's `X-data-parallel-rank` header):
+    rank 1 stays idle for the whole run and takes part in every round through vLLM's dummy
+    batches, running a matched no-work epoch beside each of rank 0's. Rounds with no P on any
+    rank cost no rendezvous: short prompts alone (all inline) leave the rendezvous untouched."""
     stock_runner, stock_out, _ = stock
     # P's host work beside D's step (`p_host="concurrent"`, the GPU default) across DP ranks.
     concurrent = ["--additional-config",
                   json.dumps({"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}})]
-    # A step budget below a rank's queued P tokens (wave 0 queues ~700 lane tokens over the two
-    # ranks, prompts up to 230): prompts split over epochs, and every rank must announce the
-    # tokens its next epoch takes, not all it has queued (on 2 x H200 the difference failed P's
-    # DP metadata and then hung the rank whose P did run).
+    # A step budget below the queued P tokens (wave 0 queues ~700 lane tokens, prompts up to
+    # 230): prompts split over epochs, and a rank must announce the tokens its next epoch takes,
+    # not all it has queued (on 2 x H200 the difference failed P's DP metadata and then hung the
+    # rank whose P did run).
     srv = server(tiny_model, OURS[:2] + concurrent + ["--data-parallel-size", "2",
                                                       "--enable-expert-parallel",
                                                       "--max-num-batched-tokens", "128"],
                  2, "ours-dp2-ep")
-    ours = ServerRunner(srv.url, tiny_model)
+    short = [p for p in PROMPTS if len(p) < 32]
+    ServerRunner(srv.url, tiny_model).generate(short, MAX_TOKENS)  # both ranks, no P
+    free = settled_rank_metrics(srv.url, tiny_model, 2)
+    # (a rank whose lane counters never changed reports none, which is zero too)
+    assert all(r.get("vllm_ainfer_pd_rendezvous_phases_total", 0) == 0
+                                  and r.get("vllm_ainfer_pd_epochs_total", 0) == 0
+                                  for r in free.values()), free
+
+    ours = ServerRunner(srv.url, tiny_model, headers={"X-data-parallel-rank": "0"})
     ours_out = run_waves(ours, WAVES, MAX_TOKENS)
     report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)
     print(report)
     assert report.fail == 0, report
     log = srv.log_text()
     assert "EngineCore_DP1" in log and "Worker_DP1_EP1" in log
-    ranks = settled_rank_metrics(srv.url, tiny_model, 2)
+    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
     assert_lane_ran_beside_d(lane_metrics(srv.url))
-    # Both DP ranks ran every epoch (a rank without P runs a matched no-work epoch).
-    per_rank = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks.values()]
-    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] > 0, ranks
+    # Rank 0 prefilled every lane prompt; idle rank 1 ran every epoch with it, matched.
+    jobs = [r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks]
+    epochs = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks]
+    phases = [r.get("vllm_ainfer_pd_rendezvous_phases_total", 0) for r in ranks]
+    assert len(ranks) == 2 and jobs[0] >= 8 and jobs[1] == 0, ranks
+    assert epochs[0] == epochs[1] > 0 and phases[0] == phases[1] > 0, ranks
 
     # Stopped as a process manager stops it (SIGTERM to `vllm serve` alone) while P epochs are
     # open: every process of the server ends, none is left waiting in a rendezvous.

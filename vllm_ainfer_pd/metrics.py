@@ -36,6 +36,8 @@ COUNTERS = {
                         "or in blocking calls)."),
     "rendezvous_s": ("vllm_ainfer_pd_rendezvous_seconds", "Time in the all-rank pre-D/post-D "
                      "CPU rendezvous."),
+    "rendezvous_phases": ("vllm_ainfer_pd_rendezvous_phases", "All-rank CPU rendezvous phases "
+                          "met (pre-D and post-D each count one; none in rounds without P)."),
     "segments": ("vllm_ainfer_pd_segments", "P segments released (one per D iteration with P "
                  "open)."),
     "segments_after_d": ("vllm_ainfer_pd_segments_after_d", "P segments released right after a "

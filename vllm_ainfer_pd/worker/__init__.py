@@ -2,10 +2,14 @@
 
 The base class is the platform's own worker (CPUWorker on CPU, the V1 GPU Worker on CUDA), chosen
 when this module is imported in the worker process, so the same class name serves both platforms.
-With the P lane on (`mode="pd"`), each D iteration is wrapped in one turnstile round of the lane
-(`p_lane.PLane`): a D iteration is every `execute_model` call at DP=1 (0-token steps too: they
-happen while every request is parked in P), and a real or dummy forward at DP>1, the only calls
-that all DP ranks make together.
+With the P lane on (`mode="pd"`), each D iteration is one turnstile round of the lane
+(`lane_round.LaneRound`, whose docstring is the round's contract): `before_d` before vLLM's
+forward, `after_d` after the last thing D enqueues for the step. vLLM 0.26 splits a step into
+`execute_model` (the forward; it returns None when sampling follows) and `sample_tokens`
+(sampling and the speculative drafter's forward), so a round that `execute_model` opens with a
+forward ends at the end of `sample_tokens`. A D iteration is every step at DP=1 (0-token steps
+too: they happen while every request is parked in P), and a real or dummy forward at DP>1, the
+only calls that all DP ranks make together.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def _raise_compute_stream_priority() -> None:
 
 class AInferPDWorker(_platform_worker_cls()):
     p_lane = None
+    # (load, D tokens) of a round whose forward ran in `execute_model` and whose sampling and
+    # drafting run in the `sample_tokens` call that follows.
+    _open_round = None
 
     def ainfer_pd_status(self) -> dict:
         """Per-rank status over `collective_rpc("ainfer_pd_status")`: worker, mode, lane counters."""
@@ -117,16 +124,25 @@ class AInferPDWorker(_platform_worker_cls()):
 
     def execute_model(self, scheduler_output):
         lane = self.p_lane
-        if lane is None:
-            return super().execute_model(scheduler_output)
         d_tokens = scheduler_output.total_num_scheduled_tokens
-        d_iteration = self._dp_size == 1 or d_tokens > 0
-        if d_iteration:
-            lane.before_d()
+        if lane is None or not (self._dp_size == 1 or d_tokens > 0):
+            return super().execute_model(scheduler_output)
+        lane.before_d()
         output = super().execute_model(scheduler_output)
-        if d_iteration:
-            lane.after_d(self._load(scheduler_output), d_tokens)
-            self._maybe_log_summary()
+        round_end = (self._load(scheduler_output), d_tokens)
+        if output is None:
+            # vLLM samples and drafts in the `sample_tokens` call that follows: the same D
+            # iteration, so P stays parked until the drafter's last enqueue.
+            self._open_round = round_end
+        else:
+            self._end_round(*round_end)
+        return output
+
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        if self._open_round is not None:
+            round_end, self._open_round = self._open_round, None
+            self._end_round(*round_end)
         return output
 
     def execute_dummy_batch(self) -> None:
@@ -134,8 +150,12 @@ class AInferPDWorker(_platform_worker_cls()):
         if lane is None:
             return super().execute_dummy_batch()
         lane.before_d()
-        super().execute_dummy_batch()
-        lane.after_d(None, 0)
+        super().execute_dummy_batch()  # vLLM's dummy forward runs the drafter's dummy too
+        self._end_round(None, 0)
+
+    def _end_round(self, load, d_tokens: int) -> None:
+        self.p_lane.after_d(load, d_tokens)
+        self._maybe_log_summary()
 
     def _load(self, scheduler_output):
         """Load for the segment policy: the step's D rows over the batch size, P work not yet

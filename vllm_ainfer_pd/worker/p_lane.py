@@ -1,9 +1,10 @@
 """The P lane's device side: segmented background prefill driven by the turnstile (docs/worker.md).
 
-Per rank, once per D iteration, on the worker's main thread:
+Per rank, once per D iteration, on the worker's main thread (the contract: `lane_round.py`):
 
     lane.before_d()           # P is stopped at its permit; pre-D rendezvous (only with P open)
-    ...vLLM's D step...       # the connector hands new P jobs and cancels to `lane.accept`
+    ...vLLM's D iteration...  # forward, sampling, drafting; the connector hands new P jobs and
+                              # cancels to `lane.accept`
     lane.after_d(load)        # post-D rendezvous; release the next K boundaries; P runs them
 
 A P epoch is one forward of the model (vLLM's compiled graph, without CUDA graphs) over the jobs
@@ -14,8 +15,8 @@ kernels, outside vLLM's compiled pieces); its collectives go on D's stream. The 
 own vLLM forward context and workspace manager (`phase_state`). Where D waits for P to stop is
 `p_host` (config):
 - `concurrent` (GPU): a released segment's host work (its kernel launches) runs while the main
-  thread goes on with D's step (sampling, the engine's scheduling); D waits for P's stop only in
-  the next round's `before_d`, ahead of the pre-D rendezvous;
+  thread goes on with the engine's output processing and next schedule; D waits for P's stop only
+  in the next round's `before_d`, ahead of the pre-D rendezvous;
 - `handoff` (CPU, where P's host work is its compute): the main thread waits in `after_d` until P
   stops (the cooperative hand-off of vLLM's dual-batch overlap).
 Either way no model code of D runs between a release and P's stop, so P's collectives on D's
@@ -52,7 +53,9 @@ from vllm_ainfer_pd.turnstile import (
     make_policy,
 )
 from vllm_ainfer_pd.turnstile.route import StreamRoute
+from vllm_ainfer_pd.vllm_glue import dp_sync
 from vllm_ainfer_pd.worker import phase_state
+from vllm_ainfer_pd.worker.lane_round import LaneRound
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
 from vllm_ainfer_pd.worker.p_batch import PBatch, PBatchBuilder
 
@@ -143,6 +146,7 @@ class LaneStats:
     # benchmarks/profile_lane.py).
     p_enqueue_cpu_s: float = 0.0
     rendezvous_s: float = 0.0
+    rendezvous_phases: int = 0  # pre-D and post-D phases this rank met its peers in
     p_collectives_routed: int = 0  # P collectives issued on D's stream (CPU: counted only)
     # With `overlap_timing` on GPU: P's device time and the part of it D overlapped (overlap.py).
     p_device_s: float = 0.0
@@ -168,7 +172,7 @@ class _Epoch:
     reached: int = -1  # the last boundary P published
 
 
-class PLane:
+class PLane(LaneRound):
     def __init__(
         self,
         runner: Any,
@@ -220,11 +224,15 @@ class PLane:
         self.finishing: list[_Epoch] = []  # finished on the host; GPU work may still run
         self.reports: list[tuple[PJob, bool]] = []  # (job, failed) ready for get_finished
         self.stats = LaneStats()
-        # DP > 1: every D iteration is an all-rank round whose post-D rendezvous carries each
-        # rank's next-epoch P tokens, so all DP ranks open an epoch together: P's MoE collectives
-        # span the EP group, and a rank with no P runs a matched no-work epoch (one dummy token).
+        # DP > 1: all DP ranks open an epoch together (P's MoE collectives span the EP group; a
+        # rank with no P runs a matched no-work epoch of one dummy token). Whether any rank has
+        # P queued rides in vLLM's per-forward DP all-reduce (dp_sync); a round that opens an
+        # epoch shares each rank's next-epoch tokens in its post-D rendezvous.
         self.dp_size = dp_size
         self.synced = dp_size > 1
+        if self.synced:
+            dp_sync.install()
+            dp_sync.set_source(self._next_epoch_tokens)
         self.ranks_per_dp = self.turnstile.rendezvous.world_size // dp_size
         self._next_epoch = 0
         stall = os.environ.get(STALL_ENV, "")
@@ -371,7 +379,7 @@ class PLane:
             self._wait_for_p()  # P's segment ran beside D's step; D waits for its stop here
         if self.overlap is not None and (self.epoch is not None or self.finishing):
             self.overlap.start("d")
-        if self.epoch is None and not self.synced:
+        if self.epoch is None:
             return
         if self._stall_round == self.turnstile.rendezvous.round:
             logger.warning("%s: rank %d stalls before round %d", STALL_ENV, self.rank,
@@ -379,9 +387,8 @@ class PLane:
             time.sleep(4 * self.config.timeout_s)
         record = self.turnstile.pre_d()
         self.stats.d_wait_s += record.p_wait_s
-        self.stats.rendezvous_s += record.rendezvous_s
-        if self.epoch is not None:
-            self.stats.rounds += 1
+        self._met(record.rendezvous_s)
+        self.stats.rounds += 1
 
     def after_d(self, load: Load | None = None, d_tokens: int = 0) -> None:
         """Release P's next segment after this round's D, or open an epoch for queued jobs; with
@@ -392,6 +399,12 @@ class PLane:
             self.stats.p_device_s += p_s
             self.stats.p_overlap_s += overlap_s
         if self.synced:
+            if self.epoch is None:
+                if not any(dp_sync.queued_p_tokens() or ()):
+                    return  # no rank has P queued: a free round
+                # An opening round: all ranks meet in both phases (the rendezvous keeps them in
+                # order), and the post-D phase carries each rank's exact next-epoch tokens.
+                self._met(self.turnstile.pre_d().rendezvous_s)
             load = self._post_d_synced(load or Load())
             if self.epoch is None:
                 counts = [p[0] for p in self.turnstile.rendezvous.payloads]
@@ -401,7 +414,7 @@ class PLane:
         elif self.epoch is not None:
             start = time.perf_counter()
             self.turnstile.post_d(load)
-            self.stats.rendezvous_s += time.perf_counter() - start
+            self._met(time.perf_counter() - start)
         elif self.pending:
             self._open_epoch(load)
         else:
@@ -429,8 +442,13 @@ class PLane:
 
         start = time.perf_counter()
         self.turnstile.post_d(shared_load, payload)
-        self.stats.rendezvous_s += time.perf_counter() - start
+        self._met(time.perf_counter() - start)
         return shared[0]
+
+    def _met(self, seconds: float) -> None:
+        """Count one rendezvous phase and the time it took."""
+        self.stats.rendezvous_s += seconds
+        self.stats.rendezvous_phases += 1
 
     def _wait_for_p(self) -> None:
         """D waits until P stopped: parked at its permit, or at the end of its epoch (which then
@@ -674,6 +692,8 @@ class PLane:
         if self.epoch is not None and self.epoch.thread is not None:
             self.epoch.thread.join(timeout=5)
         self.turnstile.rendezvous.close()
+        if self.synced:
+            dp_sync.set_source(None)
 
 
 class _null:

@@ -1,0 +1,79 @@
+"""One more row in vLLM's per-forward DP synchronisation: each DP rank's queued P tokens.
+
+At DP > 1, vLLM all-reduces a small [4, dp_size] int32 tensor before every forward, real or
+dummy, on every DP rank (`vllm.v1.worker.dp_utils._run_ar`: tokens, padded tokens,
+micro-batching, CUDA-graph mode; the drafters call it too), and reads it back on the host. The
+P lane needs one rank-consistent bit per round, "does any rank have P queued?", to skip its
+rendezvous in rounds where none has: a rank-local answer would let one rank enter a rendezvous
+its peers skip. Carrying each rank's queued P tokens as a fifth row costs no extra
+synchronisation: every rank reads the same all-reduced row, after the same sequence of forwards.
+
+`install()` patches `_run_ar` once per process (a copy of vLLM 0.26's body with the extra row);
+`set_source(fn)` names what the row carries on this rank (the lane's queued P tokens); without a
+source the stock function runs. `queued_p_tokens()` is the row of the last all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch
+
+PATCHES = [
+    Patch("vllm.v1.worker.dp_utils:_run_ar",
+          "carry each DP rank's queued P tokens in the all-reduce vLLM runs before every forward",
+          ("should_ubatch", "orig_num_tokens_per_ubatch", "padded_num_tokens_per_ubatch",
+           "cudagraph_mode", "parallel_config")),
+    Patch("vllm.v1.worker.dp_utils:_get_device_and_group", "the group the patched all-reduce uses",
+          ("parallel_config",)),
+]
+
+_source: Callable[[], int] | None = None
+_last_row: torch.Tensor | None = None  # row 4 of the last all-reduce (device or CPU)
+
+
+def set_source(source: Callable[[], int] | None) -> None:
+    """What this rank contributes to the row. Every DP rank must set one (or none) at the same
+    point of its start-up, before the forwards that follow: the tensors must match in shape."""
+    global _source, _last_row
+    _source, _last_row = source, None
+
+
+def queued_p_tokens() -> list[int] | None:
+    """Every DP rank's queued P tokens as of the last forward's all-reduce (the same list on every
+    rank), or None before the first one. vLLM has already read the tensor back on the host, so
+    this adds no device synchronisation."""
+    return None if _last_row is None else _last_row.tolist()
+
+
+def install() -> None:
+    from vllm.v1.worker import dp_utils
+
+    if getattr(dp_utils._run_ar, "_ainfer_pd", False):
+        return
+    stock = dp_utils._run_ar
+
+    def _run_ar(should_ubatch, orig_num_tokens_per_ubatch, padded_num_tokens_per_ubatch,
+                cudagraph_mode, parallel_config):
+        global _last_row
+        if _source is None:
+            return stock(should_ubatch, orig_num_tokens_per_ubatch,
+                         padded_num_tokens_per_ubatch, cudagraph_mode, parallel_config)
+        dp_size = parallel_config.data_parallel_size
+        dp_rank = parallel_config.data_parallel_rank
+        device, group = dp_utils._get_device_and_group(parallel_config)
+        tensor_cpu = torch.zeros(5, dp_size, dtype=torch.int32)
+        tensor_cpu[0][dp_rank] = orig_num_tokens_per_ubatch
+        tensor_cpu[1][dp_rank] = padded_num_tokens_per_ubatch
+        tensor_cpu[2][dp_rank] = 1 if should_ubatch else 0
+        tensor_cpu[3][dp_rank] = cudagraph_mode
+        tensor_cpu[4][dp_rank] = _source()
+        tensor = tensor_cpu.to(device, non_blocking=True)
+        torch.distributed.all_reduce(tensor, group=group)
+        _last_row = tensor[4]
+        return tensor[:4]  # vLLM's rows, as its post-processing expects them
+
+    _run_ar._ainfer_pd = True
+    dp_utils._run_ar = _run_ar
