@@ -13,7 +13,7 @@ from typing import Any
 MODES = ("pd", "normal")
 ORDERINGS = ("fine", "global-enqueue", "global-complete")
 SEGMENT_POLICIES = ("fixed", "load", "work")
-RENDEZVOUS = ("shm", "gloo")
+RENDEZVOUS = ("auto", "shm", "gloo")
 P_HOSTS = ("auto", "concurrent", "handoff")
 D_STREAM_PRIORITIES = ("default", "high")
 
@@ -48,7 +48,10 @@ class AInferPDConfig:
     # `segment_span` is K for `fixed` only.
     segment_policy: str = "load"
     segment_span: int = 1
-    rendezvous: str = "shm"
+    # `auto` picks from where the ranks run (docs/turnstile.md): shared memory on one host, shared
+    # memory within each host and gloo between hosts' leaders across several, gloo alone when each
+    # host holds one rank. `shm` insists on one host; `gloo` always uses gloo.
+    rendezvous: str = "auto"
     timeout_s: float = 120.0
     # GPU benchmarks: time P's segments and D's iterations with CUDA events and export how much of
     # P's device time D overlapped (`vllm_ainfer_pd_p_overlap_seconds`). Off: no events at all.

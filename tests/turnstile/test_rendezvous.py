@@ -1,26 +1,44 @@
 """Rendezvous: barrier semantics, timeouts that name the missing ranks, and phase checks.
 
-Shared memory is exercised with ranks as threads and as processes; gloo with real process groups.
+Shared memory is exercised with ranks as threads and as processes; gloo and the hierarchical
+rendezvous with real process groups, several "hosts" on this machine through `HOST_ID_ENV`.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from vllm_ainfer_pd.config import RENDEZVOUS, AInferPDConfig, ConfigError
 from vllm_ainfer_pd.turnstile import (
+    HOST_ID_ENV,
+    RENDEZVOUS_KINDS,
     GlooRendezvous,
+    HierarchicalRendezvous,
     NullRendezvous,
     RendezvousError,
     RendezvousMismatch,
     RendezvousTimeout,
     ShmRendezvous,
+    choose_rendezvous,
+    host_identity,
+    make_rendezvous,
 )
 from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
-from vllm_ainfer_pd.turnstile.rendezvous import MAX_PAYLOAD
+from vllm_ainfer_pd.turnstile.rendezvous import (
+    MAX_PAYLOAD,
+    PAYLOAD_MAX,
+    PAYLOAD_MIN,
+    _tagged,
+    _untag,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -301,3 +319,281 @@ def test_gloo_payloads_deliver_each_phase_values_to_every_rank():
         out = ranks.wait(90)
     for r in range(3):
         assert out[r] == _expected_payloads(3, 20), f"rank {r}"
+
+
+# --- self-validating shared-memory words (ordering that holds on Arm) ---------------------------
+
+
+def test_tagged_words_carry_48_bit_values_and_only_their_own_generation():
+    for gen in (1, 2, 3, 0xFFFF, 0x10000, 0x10001, 2**40 + 5):
+        for value in (0, 1, -1, 7, PAYLOAD_MIN, PAYLOAD_MAX, -(10**12)):
+            word = _tagged(gen, value)
+            assert -(2**63) <= word < 2**63  # what a 'q' memoryview stores
+            assert _untag(word, gen) == value
+            for other in (gen - 2, gen + 2, gen - 1):
+                assert _untag(word, other) is None
+
+
+def test_payload_values_beyond_48_bits_are_rejected_naming_them():
+    rdv = NullRendezvous()
+    with pytest.raises(ValueError, match=r"48-bit signed\), got \(1, 140737488355328\)"):
+        rdv.pre_d((1, PAYLOAD_MAX + 1))
+    rdv = NullRendezvous()
+    rdv.pre_d((PAYLOAD_MIN, PAYLOAD_MAX))
+    assert rdv.payloads == [(PAYLOAD_MIN, PAYLOAD_MAX)]
+
+
+def _write_by_hand(rdv, gen, payload, tags=None):
+    """What rank `rdv.rank` stores to arrive at `gen`, word by word; `tags[i]` overrides the
+    generation tag of value word i (a store not yet visible to the reader)."""
+    base = rdv._buffer(rdv._mine, gen)
+    rdv._view[base] = _tagged(gen, len(payload))
+    for i, value in enumerate(payload):
+        rdv._view[base + 1 + i] = _tagged(tags[i] if tags else gen, value)
+    rdv._view[rdv._mine] = gen
+
+
+@pytest.fixture
+def reader_and_peer():
+    """Rank 0 (a real reader) and rank 1 whose words the test writes by hand, past round 0: rank 1
+    sent (7,) at generation 1, whose payload buffer generation 3 reuses."""
+    name = shm_name()
+    reader = ShmRendezvous(name, 0, 2, timeout_s=0.5)
+    peer = ShmRendezvous(name, 1, 2, timeout_s=0.5)
+    try:
+        _write_by_hand(peer, 1, (7,))
+        reader.pre_d()
+        assert reader.payloads == [(), (7,)]
+        _write_by_hand(peer, 2, ())
+        reader.post_d()
+        yield reader, peer
+    finally:
+        peer.close()
+        reader.close()
+
+
+def test_shm_reader_waits_out_a_payload_word_still_tagged_with_the_previous_generation(
+        reader_and_peer):
+    reader, peer = reader_and_peer
+    # The slot and length word of generation 3 are visible, the value word is still generation 1's
+    # (7): what an Arm reader can see when the peer's stores arrive out of order.
+    _write_by_hand(peer, 3, (8,), tags=[1])
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(reader.pre_d)
+        time.sleep(0.1)
+        assert not done.done(), "returned with a stale payload word"
+        _write_by_hand(peer, 3, (8,))  # the late store lands
+        done.result(5)
+    assert reader.payloads == [(), (8,)]
+
+
+def test_shm_reader_accepts_no_word_of_another_generation_of_the_same_parity(reader_and_peer):
+    reader, peer = reader_and_peer
+    _write_by_hand(peer, 3, (8,), tags=[5])
+    with pytest.raises(RendezvousTimeout, match="payload words never carried generation 3"):
+        reader.pre_d()
+
+
+# --- choosing a rendezvous from where the ranks run ---------------------------------------------
+
+
+def test_config_offers_the_factory_kinds_and_defaults_to_auto():
+    assert RENDEZVOUS == RENDEZVOUS_KINDS == ("auto", "shm", "gloo")
+    assert AInferPDConfig().rendezvous == "auto"
+    for kind in RENDEZVOUS:
+        assert AInferPDConfig(rendezvous=kind).rendezvous == kind
+    with pytest.raises(ConfigError, match="rendezvous='nccl' is not one of auto, shm, gloo"):
+        AInferPDConfig(rendezvous="nccl")
+
+
+def test_choose_rendezvous_by_host_layout():
+    assert choose_rendezvous("auto", ["a"]) == "null"
+    assert choose_rendezvous("shm", ["a"]) == "null"
+    assert choose_rendezvous("auto", ["a", "a", "a"]) == "shm"
+    assert choose_rendezvous("auto", ["a", "b", "a", "b"]) == "hierarchical"
+    assert choose_rendezvous("auto", ["a", "a", "a", "b"]) == "hierarchical"
+    assert choose_rendezvous("auto", ["a", "b", "c"]) == "gloo"
+    assert choose_rendezvous("shm", ["a", "a"]) == "shm"
+    assert choose_rendezvous("gloo", ["a", "a"]) == "gloo"
+    with pytest.raises(ValueError, match="kind 'nccl' is not one of auto, shm, gloo"):
+        choose_rendezvous("nccl", ["a", "a"])
+
+
+def test_shm_across_hosts_is_one_line_naming_hosts_and_ranks():
+    with pytest.raises(ValueError) as err:
+        choose_rendezvous("shm", ["n1", "n1", "n2", "n2", "n1"])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "the 5 ranks are on 2 hosts (host 'n1': ranks 0-1, 4; host 'n2': ranks 2-3)" in msg
+    assert "use 'auto'" in msg and "'gloo'" in msg
+
+
+def test_host_identity_is_the_environment_override_or_this_machine(monkeypatch):
+    monkeypatch.setenv(HOST_ID_ENV, "rack7-node3")
+    assert host_identity() == "rack7-node3"
+    monkeypatch.delenv(HOST_ID_ENV)
+    assert host_identity().startswith(socket.gethostname())
+
+
+def _auto_rank(rank, world, port):
+    init_gloo(rank, world, port)
+    layouts = {"one host": "aaaa", "two hosts": "abab", "uneven": "aaab", "one rank each": "abcd"}
+    picked = {}
+    for label, hosts in layouts.items():
+        with make_rendezvous("auto", host=hosts[rank], timeout_s=30) as rdv:
+            rdv.pre_d((rank, -10 * rank))
+            payloads = list(rdv.payloads)
+            rdv.post_d()  # peers finish reading before the segment's creator closes it
+            picked[label] = (type(rdv).__name__, payloads)
+    os.environ[HOST_ID_ENV] = "left" if rank < 2 else "right"  # read when the rendezvous is built
+    with make_rendezvous("auto", timeout_s=30) as rdv:
+        rdv.pre_d()
+        picked["from the environment"] = type(rdv).__name__
+    with make_rendezvous("gloo", timeout_s=30, name="kind-gloo") as rdv:
+        rdv.pre_d()
+        picked["gloo"] = type(rdv).__name__
+    with make_rendezvous("shm", host="same", timeout_s=30) as rdv:
+        rdv.pre_d()
+        picked["shm"] = type(rdv).__name__
+    return picked
+
+
+def test_make_rendezvous_auto_picks_by_where_the_ranks_run():
+    with RankGroup(_auto_rank, 4) as ranks:
+        out = ranks.wait(120)
+    sent = [(r, -10 * r) for r in range(4)]
+    for picked in out:
+        assert picked == {
+            "one host": ("ShmRendezvous", sent),
+            "two hosts": ("HierarchicalRendezvous", sent),
+            "uneven": ("HierarchicalRendezvous", sent),
+            "one rank each": ("GlooRendezvous", sent),
+            "from the environment": "HierarchicalRendezvous",
+            "gloo": "GlooRendezvous",
+            "shm": "ShmRendezvous",
+        }
+
+
+def _one_rank(rank, world, port):
+    init_gloo(rank, world, port)
+    return [type(make_rendezvous(kind, timeout_s=5)).__name__ for kind in RENDEZVOUS_KINDS]
+
+
+def test_make_rendezvous_gives_a_single_rank_the_null_rendezvous():
+    with RankGroup(_one_rank, 1) as ranks:
+        assert ranks.wait(60) == [["NullRendezvous"] * 3]
+
+
+def _shm_two_hosts_rank(rank, world, port):
+    init_gloo(rank, world, port)
+    start = time.monotonic()
+    try:
+        make_rendezvous("shm", host=f"node-{rank}", timeout_s=60)
+    except ValueError as err:
+        return time.monotonic() - start, str(err)
+    return None
+
+
+def test_shm_on_two_hosts_fails_at_once_on_every_rank_with_one_line():
+    with RankGroup(_shm_two_hosts_rank, 2) as ranks:
+        out = ranks.wait(60)
+    for result in out:
+        assert result is not None, "no error"
+        waited, msg = result
+        assert waited < 5  # not the 60 s timeout: nothing waits for a segment
+        assert "\n" not in msg
+        assert "on 2 hosts (host 'node-0': ranks 0; host 'node-1': ranks 1)" in msg
+        assert "'auto'" in msg and "'gloo'" in msg
+
+
+# --- the hierarchical rendezvous: shared memory per host, gloo between leaders ------------------
+
+
+def _mixed_payload(rank, j, k):
+    """Empty, small, or at the range's ends, so every path of the word encoding is crossed."""
+    kind = (rank + j + k) % 3
+    if kind == 0:
+        return ()
+    if kind == 1:
+        return _full_payload(rank, j, k)
+    return (PAYLOAD_MIN + rank, PAYLOAD_MAX - j)
+
+
+def _hierarchical_rank(rank, world, port, rounds, seed):
+    # Hosts interleave (ranks 0 and 2 on one, 1 and 3 on the other) so a payload filed under a
+    # host-local index instead of its group rank would show.
+    os.environ[HOST_ID_ENV] = "host-a" if rank % 2 == 0 else "host-b"
+    init_gloo(rank, world, port)
+    rdv = make_rendezvous("auto", timeout_s=30)
+    rng = random.Random(seed * 1000 + rank)
+    seen, stamps = [], []
+    for j in range(rounds):
+        for k, phase in enumerate((rdv.pre_d, rdv.post_d)):
+            if rng.random() < 0.3:
+                time.sleep(rng.random() * 2e-3)  # random skew: any rank may come last
+            enter = time.monotonic()
+            phase(_mixed_payload(rank, j, k))
+            stamps.append((enter, time.monotonic()))
+            seen.append(list(rdv.payloads))
+    rdv.pre_d()  # a final meeting so a leader does not unlink while a peer still reads
+    rdv.close()
+    return type(rdv).__name__, rdv.leader, seen, stamps
+
+
+def test_hierarchical_rendezvous_delivers_every_payload_everywhere_over_skewed_rounds():
+    world, rounds = 4, 200
+    with RankGroup(_hierarchical_rank, world, args=(rounds, 1)) as ranks:
+        out = ranks.wait(180)
+    expected = [[_mixed_payload(r, j, k) for r in range(world)]
+                for j in range(rounds) for k in range(2)]
+    assert [(name, leader) for name, leader, _, _ in out] == [
+        (HierarchicalRendezvous.__name__, leader) for leader in (0, 1, 0, 1)]
+    for r, (_, _, seen, _) in enumerate(out):
+        assert seen == expected, f"rank {r}"
+    phases_never_overlap({r: stamps for r, (_, _, _, stamps) in enumerate(out)})
+
+
+def _hierarchical_stall_rank(rank, world, port, stall_rank, stall_at):
+    os.environ[HOST_ID_ENV] = "host-a" if rank < 2 else "host-b"
+    init_gloo(rank, world, port)
+    rdv = make_rendezvous("auto", timeout_s=2.0)
+    try:
+        for j in range(4):
+            for k, phase in enumerate((rdv.pre_d, rdv.post_d)):
+                if rank == stall_rank and (j, k) == stall_at:
+                    time.sleep(4.5)  # never arrives within the peers' timeout
+                    return "stalled"
+                phase()
+    except RendezvousTimeout as err:
+        time.sleep(1.5)  # rank 0 hosts the store its peers read to name the missing rank
+        return err.rank, err.phase, err.round, err.missing, str(err)
+    return "no timeout"
+
+
+def test_hierarchical_timeout_names_the_rank_that_never_arrived_on_every_host():
+    # Rank 3 (host-b, not its leader) stalls before post_d of round 1.
+    with RankGroup(_hierarchical_stall_rank, 4, args=(3, (1, 1))) as ranks:
+        out = ranks.wait(120)
+    assert out[3] == "stalled"
+    for r in (0, 1, 2):
+        rank, phase, rnd, missing, msg = out[r]
+        assert (rank, phase, rnd, missing) == (r, "post_d", 1, (3,)), msg
+        assert "timed out" in msg and "rank 3" in msg
+        assert "last arrived at pre_d of round 1" in msg
+    for r in (0, 1):  # across hosts, the error says where rank 3 runs
+        assert "rank 3 (host 'host-b') last arrived at pre_d of round 1" in out[r][4]
+
+
+def test_hierarchical_timeout_names_a_host_whose_leader_never_arrived():
+    # Rank 2 (host-b's leader) stalls before pre_d of round 2: its host-mate names it from the
+    # shared segment; host-a's ranks, with no word from host-b, name the host and its leader.
+    with RankGroup(_hierarchical_stall_rank, 4, args=(2, (2, 0))) as ranks:
+        out = ranks.wait(120)
+    assert out[2] == "stalled"
+    rank, phase, rnd, missing, msg = out[3]
+    assert (rank, phase, rnd, missing) == (3, "pre_d", 2, (2,)), msg
+    assert "rank 2 last arrived at post_d of round 1" in msg
+    for r in (0, 1):
+        rank, phase, rnd, missing, msg = out[r]
+        assert (rank, phase, rnd, missing) == (r, "pre_d", 2, (2,)), msg
+        assert "host 'host-b' (ranks 2-3, leader rank 2) last arrived at post_d of round 1" in msg

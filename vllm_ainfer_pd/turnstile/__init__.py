@@ -38,23 +38,31 @@ from vllm_ainfer_pd.turnstile.policy import (
     make_policy,
 )
 from vllm_ainfer_pd.turnstile.rendezvous import (
+    HOST_ID_ENV,
+    RENDEZVOUS_KINDS,
     GlooRendezvous,
+    HierarchicalRendezvous,
     NullRendezvous,
     Rendezvous,
     ShmRendezvous,
+    choose_rendezvous,
+    host_identity,
+    make_rendezvous,
 )
 from vllm_ainfer_pd.turnstile.route import RouteDecision, StreamRoute, crosses
 from vllm_ainfer_pd.turnstile.turnstile import RoundRecord, Turnstile
 
 __all__ = [
+    "HOST_ID_ENV",
+    "RENDEZVOUS_KINDS",
     "UNBOUNDED",
     "EpochActiveError",
     "EpochCancelled",
     "FixedSpan",
     "GlooRendezvous",
+    "HierarchicalRendezvous",
     "Load",
     "LoadSelectedSpan",
-    "WorkPerRoundSpan",
     "MissingProducerError",
     "NonMonotoneBoundaryError",
     "NullRendezvous",
@@ -80,6 +88,10 @@ __all__ = [
     "TaskState",
     "Turnstile",
     "TurnstileError",
+    "WorkPerRoundSpan",
+    "choose_rendezvous",
     "crosses",
+    "host_identity",
     "make_policy",
+    "make_rendezvous",
 ]

@@ -110,17 +110,15 @@ class AInferPDWorker(_platform_worker_cls()):
 
     def _rendezvous(self, config: AInferPDConfig):
         """The all-rank CPU rendezvous of the turnstile, over every rank whose collectives P and D
-        share (the world group: TP, and DP x EP ranks). Collective: every rank builds it."""
+        share (the world group: TP, and DP x EP ranks, on one host or several). Collective: every
+        rank builds it; `rendezvous="auto"` picks shared memory, shared memory per host with gloo
+        between hosts, or gloo from where the ranks run."""
         from vllm.distributed.parallel_state import get_world_group
 
-        from vllm_ainfer_pd.turnstile import GlooRendezvous, NullRendezvous, ShmRendezvous
+        from vllm_ainfer_pd.turnstile import make_rendezvous
 
-        world = get_world_group()
-        if world.world_size == 1:
-            return NullRendezvous(config.timeout_s)
-        if config.rendezvous == "gloo":
-            return GlooRendezvous(world.cpu_group, timeout_s=config.timeout_s, name="p_lane")
-        return ShmRendezvous.from_group(world.cpu_group, timeout_s=config.timeout_s)
+        return make_rendezvous(config.rendezvous, get_world_group().cpu_group,
+                               timeout_s=config.timeout_s, name="p_lane")
 
     def execute_model(self, scheduler_output):
         lane = self.p_lane
