@@ -37,14 +37,14 @@ class AInferPDConfig:
     # Cap on background prefills in flight; async loads do not count against max_num_seqs. 16, not
     # 4: with 4, a burst of long prompts (a rollout's first turns) is admitted 4 at a time, behind
     # each promotion, and its prefill finished ~20% later than stock's on 1 x H200; with 16 its
-    # p99 TTFT is within 5% of stock's (benchmarks/results/gpu/README.md, seventh session).
+    # p99 TTFT is within 5% of stock's (benchmarks/RESULTS.md).
     max_p_inflight: int = 16
     # The turnstile in the worker (docs/worker.md): how D is ordered against a P epoch (the
     # ordering ladder), how many layer boundaries one release lets P pass (K, or chosen per round
     # from D occupancy and P pressure), the CPU rendezvous between ranks, and the bound on every
     # distributed wait (a hang becomes an error naming the rank and what it waited for).
     ordering: str = "fine"
-    # `load` is what the GPU benchmarks measured as `pd` (benchmarks/results/gpu/README.md);
+    # `load` is what the GPU benchmarks measured as `pd` (benchmarks/RESULTS.md);
     # `segment_span` is K for `fixed` only.
     segment_policy: str = "load"
     segment_span: int = 1
@@ -65,7 +65,7 @@ class AInferPDConfig:
     # highest stream priority, so where D and P both have thread blocks waiting for SMs the
     # hardware dispatches D's first; P's stream keeps the default, lowest priority. `default`
     # leaves both streams equal (stock vLLM's stream). Not the default: on 1 x H200 `high` gained
-    # nothing beyond run-to-run spread (benchmarks/results/gpu/README.md, eighth session).
+    # nothing beyond run-to-run spread (benchmarks/RESULTS.md).
     d_stream_priority: str = "default"
 
     def __post_init__(self) -> None:
