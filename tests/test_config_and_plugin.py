@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
-from vllm_ainfer_pd.plugin import UnsupportedVLLMVersion, check_vllm_version
+from vllm_ainfer_pd.vllm_glue import UnsupportedVLLMVersion, check_vllm_version
 
 
 def test_supported_version_accepts_local_build_tags():

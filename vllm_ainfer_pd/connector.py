@@ -1,30 +1,28 @@
-"""The P lane on vLLM's KV-connector async-load protocol (scheduler side; docs/planner.md).
+"""The P lane on vLLM's KV-connector async-load protocol (docs/planner.md).
 
 An admitted background prefill ("P job") is parked by vLLM's scheduler in
-`WAITING_FOR_REMOTE_KVS` with its KV blocks reserved. The worker (a later issue) computes the
-prompt's first `num_tokens - 1` tokens into those blocks and reports the request id in
-`KVConnectorOutput.finished_recving`; vLLM then promotes the request and runs its last prompt token
-as a one-token row in the D batch. vLLM hooks used: `get_num_new_matched_tokens`,
-`update_state_after_alloc`, `build_connector_meta`, `request_finished`, `update_connector_output`.
+`WAITING_FOR_REMOTE_KVS` with its KV blocks reserved. The worker's lane (`worker/p_lane.py`)
+computes the prompt's first `num_tokens - 1` tokens into those blocks and reports the request id
+in `KVConnectorOutput.finished_recving`; vLLM then promotes the request and runs its last prompt
+token as a one-token row in the D batch. vLLM hooks used: `get_num_new_matched_tokens`,
+`update_state_after_alloc`, `build_connector_meta`, `request_finished`, `update_connector_output`
+(scheduler role); `start_load_kv`, `get_finished`, `get_block_ids_with_load_errors`,
+`build_connector_worker_meta` (worker role). What travels between the two roles is in `wire.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
 from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.metrics import PLanePromMetrics, PLaneStats, StatsDelta
+from vllm_ainfer_pd.wire import JobKey, LaneEndpoint, PJob, PLaneMetadata, PLaneWorkerMeta, Report
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,50 +33,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from vllm_ainfer_pd.worker.p_lane import PLane
-
 logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "AInferPDConnector"
-JobKey = tuple[str, int]  # (request id, lifetime)
-
-
-@dataclass(frozen=True)
-class PJob:
-    """One background prefill: compute KV of `token_ids` (positions `start..end-1`) into `block_ids`
-    (one list per KV cache group). `lifetime` counts the request's P jobs, so a result of an older
-    job of the same request is recognisably stale."""
-
-    req_id: str
-    lifetime: int
-    token_ids: tuple[int, ...]
-    start: int
-    end: int
-    block_ids: tuple[tuple[int, ...], ...]
-
-    @property
-    def key(self) -> JobKey:
-        return (self.req_id, self.lifetime)
-
-
-@dataclass
-class PLaneMetadata(KVConnectorMetadata):
-    """Shipped to every worker each step: jobs to start and request ids to cancel (aborted while
-    parked; the worker must still report them in `finished_recving` once their P has drained)."""
-
-    new_jobs: list[PJob] = field(default_factory=list)
-    cancelled: list[JobKey] = field(default_factory=list)
-
-
-@dataclass
-class PLaneWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the lifetime of each job reported in `finished_recving` this step, so
-    the scheduler can drop a report that belongs to an older job of the same request."""
-
-    lifetimes: dict[str, int] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> PLaneWorkerMeta:
-        return PLaneWorkerMeta({**self.lifetimes, **getattr(other, "lifetimes", {})})
 
 
 @dataclass(frozen=True)
@@ -167,7 +124,7 @@ class AInferPDConnector(KVConnectorBase_V1):
                            "window; longer prompts prefill inline, not in the P lane",
                            self.max_lane_prompt)
         # Worker role: this step's reports (get_finished -> errors -> worker meta, in that order).
-        self._reported: list[tuple[PJob, bool]] = []
+        self._reported: list[Report] = []
         self._failed_blocks: set[int] = set()
         self._stats_delta: StatsDelta | None = None
 
@@ -298,7 +255,7 @@ class AInferPDConnector(KVConnectorBase_V1):
 
     # ---- worker-side hooks: hand jobs to the worker's P lane, report what drained ---------------
 
-    lane: PLane | None = None  # set by AInferPDWorker on the worker-role instance
+    lane: LaneEndpoint | None = None  # set by AInferPDWorker on the worker-role instance
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.lane is not None:

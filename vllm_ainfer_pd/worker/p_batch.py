@@ -16,7 +16,7 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from vllm_ainfer_pd.connector import PJob
+    from vllm_ainfer_pd.wire import PJob
 
 
 @dataclass

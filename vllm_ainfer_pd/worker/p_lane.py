@@ -60,7 +60,7 @@ from vllm_ainfer_pd.worker.overlap import OverlapMeter
 from vllm_ainfer_pd.worker.p_batch import PBatch, PBatchBuilder
 
 if TYPE_CHECKING:
-    from vllm_ainfer_pd.connector import JobKey, PJob, PLaneMetadata
+    from vllm_ainfer_pd.wire import JobKey, PJob, PLaneMetadata
 
 logger = logging.getLogger(__name__)
 # Fault injection for the hang-safety tests: "<world rank>:<round>" makes that rank stall (sleep
