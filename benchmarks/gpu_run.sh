@@ -63,6 +63,9 @@
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
+#   bench1eagle TP=1 rollout, stock and pd, both with a random EAGLE head for the gpu preset (made on
+#              the machine; every draft is rejected, in both): TPOT with drafting inside the round;
+#              output bench1eagle_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
 #   bench1xmla the same on the gpu-mla preset (MLA, DeepSeek-V3's layout; carry .gpu/gpu-mla),
 #              backends $BENCH1X_ONLY (default stock,pd); output bench1xmla_$BENCH1X_TAG
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
@@ -258,6 +261,10 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
                --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
                --variant "$V_PD_DHIGH" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+    bench1eagle) python3 -m vllm_ainfer_pd.models --preset gpu --eagle --out /tmp/gpu-eagle \
+                   > /tmp/gpu-logs/gpu-eagle.log 2>&1 || { echo "== no EAGLE drafter"; continue; }
+                 compare bench1eagle_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --only stock,pd \
+                   '--serve-arg=--speculative-config={"method": "eagle", "model": "/tmp/gpu-eagle", "num_speculative_tokens": 3}' ;;
     bench1xmla) compare bench1xmla_${BENCH1X_TAG:-a} 0 --model .gpu/gpu-mla --variant "$V_NORMAL" \
                   --variant "$V_PD" --variant "$V_GENQ" --only ${BENCH1X_ONLY:-stock,pd} ;;
     residency) CUDA_VISIBLE_DEVICES=0 timeout -k 5 $T python3 benchmarks/residency_stall.py \

@@ -117,8 +117,12 @@ class AInferPDWorker(_platform_worker_cls()):
 
         from vllm_ainfer_pd.turnstile import make_rendezvous
 
-        return make_rendezvous(config.rendezvous, get_world_group().cpu_group,
-                               timeout_s=config.timeout_s, name="p_lane")
+        world = get_world_group()
+        rendezvous = make_rendezvous(config.rendezvous, world.cpu_group,
+                                     timeout_s=config.timeout_s, name="p_lane")
+        if world.rank == 0:
+            logger.info("P lane: %s over %d ranks", type(rendezvous).__name__, world.world_size)
+        return rendezvous
 
     def execute_model(self, scheduler_output):
         lane = self.p_lane
