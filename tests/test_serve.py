@@ -305,3 +305,53 @@ def test_serve_dp2_a_failed_p_epoch_recomputes_inline_and_the_lane_goes_on(stock
         assert failed >= 1, ranks
     assert epochs[0] == epochs[1] > 1, ranks  # epochs after the failed one, on both ranks
     assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
+
+
+def test_serve_dp2_over_two_hosts_takes_the_cross_host_rendezvous(stock, server, tiny_model,
+                                                                  tmp_path):
+    """vLLM's multi-node DP launch on this machine, as two "hosts": `vllm serve` with DP rank 0 on
+    host a and a `--headless` one with DP rank 1 on host b (the host identity overridden through
+    VLLM_AINFER_PD_HOST_ID), the lane on. The rendezvous spans both hosts over gloo (shared memory
+    would wait for a segment the other host never sees); greedy outputs equal stock's and a small
+    rollout completes."""
+    import subprocess
+
+    from vllm_ainfer_pd.rollout.replayer import ReplayConfig, replay
+    from vllm_ainfer_pd.rollout.server import free_port, vllm_command
+    from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn
+
+    stock_runner, stock_out, _ = stock
+    lane = OURS + ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                   "--data-parallel-address", "127.0.0.1",
+                   "--data-parallel-rpc-port", str(free_port()), "--enable-expert-parallel"]
+    headless_log = tmp_path / "host-b.log"
+    with open(headless_log, "w") as log:
+        headless = subprocess.Popen(
+            vllm_command() + ["serve", tiny_model, "--headless", "--data-parallel-start-rank", "1",
+                              *serve_args(CPU_ENGINE_ARGS), *lane],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **cpu_env(1), "VLLM_AINFER_PD_HOST_ID": "host-b"})
+    try:
+        srv = server(tiny_model, lane, 1, "ours-dp2-two-hosts",
+                     env={"VLLM_AINFER_PD_HOST_ID": "host-a"})
+        ours_out = run_waves(ServerRunner(srv.url, tiny_model), WAVES, MAX_TOKENS)
+        report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)
+        print(report)
+        assert report.fail == 0, report
+        trace = Trace((Trajectory("a", (Turn(120, 6), Turn(40, 8, 0.1))),
+                       Trajectory("b", (Turn(300, 12), Turn(60, 4, 0.0))),
+                       Trajectory("c", (Turn(200, 9),), start_s=0.2)))
+        result = replay(trace, ReplayConfig(srv.url, wait_scale=1.0, progress=False))
+        assert len(result.records) == trace.num_requests
+        assert all(r.ok for r in result.records), [r.error for r in result.records]
+        assert "P lane: GlooRendezvous over 2 ranks" in srv.log_text()
+        ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
+        epochs = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks]
+        assert len(ranks) == 2 and epochs[0] == epochs[1] > 0, ranks
+    finally:
+        os.killpg(headless.pid, signal.SIGTERM)
+        try:
+            headless.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(headless.pid, signal.SIGKILL)
+        print(f"--- host b ---\n{headless_log.read_text(errors='replace')[-3000:]}")
