@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowS
 
 from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.metrics import PLanePromMetrics, PLaneStats, StatsDelta
+from vllm_ainfer_pd.vllm_glue import kv_connector
 from vllm_ainfer_pd.wire import JobKey, LaneEndpoint, PJob, PLaneMetadata, PLaneWorkerMeta, Report
 
 if TYPE_CHECKING:
@@ -317,10 +318,7 @@ class AInferPDConnector(KVConnectorBase_V1):
 
 def register_connector() -> None:
     """Register `AInferPDConnector` with vLLM's `KVConnectorFactory`; safe to call repeatedly."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+    kv_connector.register(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
 
 
 def kv_transfer_config_for(config: AInferPDConfig) -> dict[str, Any] | None:

@@ -2,10 +2,8 @@
 
 vLLM loads `vllm.general_plugins` entry points once in every process it starts (API server, engine
 cores, workers) before any `VllmConfig` is built, and resolves the backend string through
-`Executor.get_class` (a dot-less string would otherwise fail in `resolve_obj_by_qualname`). We wrap
-that one static method; every call site looks it up on the class, so one wrap is enough. The fully
-qualified form `vllm_ainfer_pd.executor.AInferPDExecutor` needs no plugin and is checked the same
-way.
+`Executor.get_class`, which `vllm_glue/executor_class.py` wraps. The fully qualified form
+`vllm_ainfer_pd.executor.AInferPDExecutor` needs no plugin and is checked the same way.
 """
 
 from __future__ import annotations
@@ -33,23 +31,17 @@ def log_through_vllm() -> None:
 
 def register() -> None:
     """Entry point. Idempotent and cheap: it runs in every vLLM process, the API server too."""
-    from vllm.v1.executor.abstract import Executor
-
     from vllm_ainfer_pd.connector import register_connector
+    from vllm_ainfer_pd.vllm_glue import executor_class
 
     log_through_vllm()
     register_connector()  # the P lane's KV connector, resolved by name in every process
-    if getattr(Executor.get_class, "_ainfer_pd", False):
-        return
-    stock_get_class = Executor.get_class
+    executor_class.install(BACKEND_NAME, _select_executor)
 
-    def get_class(vllm_config):
-        if vllm_config.parallel_config.distributed_executor_backend == BACKEND_NAME:
-            from vllm_ainfer_pd.executor import AInferPDExecutor, configure_p_lane
 
-            configure_p_lane(vllm_config, AInferPDExecutor.validate(vllm_config))
-            return AInferPDExecutor
-        return stock_get_class(vllm_config)
+def _select_executor(vllm_config) -> type:
+    """`ainfer_pd`'s executor class, once the config is validated and the P lane configured."""
+    from vllm_ainfer_pd.executor import AInferPDExecutor, configure_p_lane
 
-    get_class._ainfer_pd = True
-    Executor.get_class = staticmethod(get_class)
+    configure_p_lane(vllm_config, AInferPDExecutor.validate(vllm_config))
+    return AInferPDExecutor

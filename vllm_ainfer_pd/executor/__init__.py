@@ -11,7 +11,7 @@ import vllm
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
-from vllm_ainfer_pd.vllm_glue import check_vllm_version
+from vllm_ainfer_pd.vllm_glue import check_vllm_shapes, check_vllm_version
 
 WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
 SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDScheduler"
@@ -36,8 +36,10 @@ class AInferPDExecutor(MultiprocExecutor):
 
     @staticmethod
     def validate(vllm_config) -> AInferPDConfig:
-        """Check the vLLM version, the ainfer_pd options and the deployment; return the config."""
+        """Check the vLLM version, the shapes of the vLLM symbols the backend patches or relies on
+        (vllm_glue), the ainfer_pd options and the deployment; return the config."""
         check_vllm_version(vllm.__version__)
+        check_vllm_shapes()
         config = AInferPDConfig.from_vllm_config(vllm_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:

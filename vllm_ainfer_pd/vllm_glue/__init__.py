@@ -1,9 +1,25 @@
 """Every patch of vLLM internals the backend makes, one module per patched area.
 
-Each module lists what it touches in `PATCHES` (the vLLM symbol, why, and the shape the patch
-assumes). `check_vllm_shapes()` runs when the backend is selected and in every worker before a
-patch is installed: if the installed vLLM differs from what a patch assumes, the backend stops
-with one line naming the symbol and the difference, instead of failing somewhere in a step.
+Each module lists in `PATCHES` the vLLM symbols it touches, and the ones the rest of the package
+relies on without patching (private methods a subclass overrides, fields it reads): the symbol,
+why, and the shape the code assumes (docs/vllm-glue.md is the table). `check_vllm_shapes()` runs
+when the backend is selected (`AInferPDExecutor.validate`, in the frontend and in EngineCore,
+before any worker starts): if the installed vLLM differs from what the code assumes, the backend
+stops with one line naming the symbol and the difference, instead of failing inside a step.
+
+| module | area |
+|---|---|
+| `executor_class.py` | `Executor.get_class`: the backend's short name |
+| `kv_connector.py` | the KV-connector factory, base class and metrics the lane's connector uses |
+| `engine_config.py` | the engine-config fields the executor reads and sets |
+| `scheduler.py` | vLLM's scheduler internals the planner overrides or reads |
+| `model_runner.py` | D's model runner, read to build P's batch and attention metadata |
+| `forward_context.py` | the forward context and workspace manager, per thread |
+| `attention.py` | P's boundaries at each layer's attention call |
+| `collectives.py` | P's collectives routed onto D's stream |
+| `dp_sync.py` | the per-forward DP all-reduce, carrying each rank's queued P tokens |
+| `streams.py` | vLLM's compute stream at a higher priority (GPU) |
+| `cpu_compat.py` | what vLLM's CPU path lacks for expert parallelism |
 """
 
 from __future__ import annotations
@@ -27,14 +43,34 @@ def check_vllm_version(found: str) -> None:
 
 
 def all_patches() -> list[Patch]:
-    from vllm_ainfer_pd.vllm_glue import dp_sync
+    from vllm_ainfer_pd.vllm_glue import (
+        attention,
+        collectives,
+        cpu_compat,
+        dp_sync,
+        engine_config,
+        executor_class,
+        forward_context,
+        kv_connector,
+        model_runner,
+        scheduler,
+        streams,
+    )
 
-    return [*dp_sync.PATCHES]
+    modules = (executor_class, kv_connector, engine_config, scheduler, model_runner,
+               forward_context, attention, collectives, dp_sync, streams, cpu_compat)
+    return [patch for module in modules for patch in module.PATCHES]
 
 
 def check_vllm_shapes() -> None:
-    """Raise `GlueShapeError` (one line) if any patched vLLM symbol differs from its assumption."""
-    check_patches(all_patches())
+    """Raise `GlueShapeError` (one line) if a vLLM symbol the backend patches or relies on differs
+    from what its code assumes. Symbols of one platform's code path are checked on that platform
+    only."""
+    from vllm.platforms import current_platform
+
+    platform = ("cpu" if current_platform.is_cpu()
+                else "cuda" if current_platform.is_cuda() else current_platform.device_type)
+    check_patches(all_patches(), platform)
 
 
 __all__ = ["GlueShapeError", "Patch", "UnsupportedVLLMVersion", "all_patches", "check_vllm_shapes",

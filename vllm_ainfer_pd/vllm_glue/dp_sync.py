@@ -25,9 +25,9 @@ PATCHES = [
     Patch("vllm.v1.worker.dp_utils:_run_ar",
           "carry each DP rank's queued P tokens in the all-reduce vLLM runs before every forward",
           ("should_ubatch", "orig_num_tokens_per_ubatch", "padded_num_tokens_per_ubatch",
-           "cudagraph_mode", "parallel_config")),
+           "cudagraph_mode", "parallel_config"), does="replaces"),
     Patch("vllm.v1.worker.dp_utils:_get_device_and_group", "the group the patched all-reduce uses",
-          ("parallel_config",)),
+          ("parallel_config",), does="calls"),
 ]
 
 _source: Callable[[], int] | None = None

@@ -35,21 +35,6 @@ def _platform_worker_cls() -> type:
     return Worker
 
 
-def _raise_compute_stream_priority() -> None:
-    """Replace vLLM's per-process compute stream (`vllm.utils.torch_utils.current_stream()`: D's
-    CUDA-graph capture and replay, the step's eager kernels, what the P lane calls D's stream) with
-    one at CUDA's highest priority. Called before vLLM loads the model and captures its graphs, so
-    everything after runs there; a graph replays with the priority of the stream it launches on."""
-    import torch
-    from vllm.utils.torch_utils import current_stream
-
-    previous = current_stream()
-    _, highest = torch.cuda.Stream.priority_range()
-    stream = torch.cuda.Stream(priority=highest)
-    stream.wait_stream(previous)  # whatever vLLM queued so far stays ahead
-    torch.cuda.set_stream(stream)  # vLLM's patched setter: its current_stream() returns this one
-
-
 class AInferPDWorker(_platform_worker_cls()):
     p_lane = None
     # (load, D tokens) of a round whose forward ran in `execute_model` and whose sampling and
@@ -74,14 +59,16 @@ class AInferPDWorker(_platform_worker_cls()):
         if current_platform.is_cpu():
             # Expert parallelism on CPU needs what vLLM 0.26's CPU path lacks (see cpu_compat);
             # installed before the model and its communicators are built.
-            from vllm_ainfer_pd.worker import cpu_compat
+            from vllm_ainfer_pd.vllm_glue import cpu_compat
 
             cpu_compat.install()
         super().init_device()
         config = AInferPDConfig.from_vllm_config(self.vllm_config)
         if (config.p_lane_enabled and config.d_stream_priority == "high"
                 and current_platform.is_cuda()):
-            _raise_compute_stream_priority()
+            from vllm_ainfer_pd.vllm_glue import streams
+
+            streams.raise_compute_stream_priority()
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)  # builds the KV cache and the connector

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
-import vllm.forward_context as forward_context
-import vllm.v1.worker.workspace as workspace
 from vllm.config import CUDAGraphMode
+from vllm.forward_context import set_forward_context
+from vllm.v1.worker import workspace
 
 from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.turnstile import (
@@ -53,7 +53,7 @@ from vllm_ainfer_pd.turnstile import (
     make_policy,
 )
 from vllm_ainfer_pd.turnstile.route import StreamRoute
-from vllm_ainfer_pd.vllm_glue import dp_sync
+from vllm_ainfer_pd.vllm_glue import attention, collectives, dp_sync, forward_context
 from vllm_ainfer_pd.worker import phase_state
 from vllm_ainfer_pd.worker.lane_round import LaneRound
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
@@ -72,15 +72,10 @@ STALL_ENV = "VLLM_AINFER_PD_TEST_STALL"
 # attention, so no rank has begun a collective its peers would wait in); "<epoch>@<world rank>"
 # makes only that rank's P fail, while it prepares its batch (`_forward`).
 FAIL_ENV = "VLLM_AINFER_PD_TEST_FAIL_EPOCH"
-# Set on a P thread while it runs an epoch: `.epoch` (boundary hooks), `.depth` (nested collectives).
-_P_THREAD = threading.local()
 # While a P epoch is open with `p_host="concurrent"`, the interpreter switches threads at least
 # this often (seconds; Python's default is 5 ms): the main thread, woken by D's GPU work, should
 # not wait a whole default interval for the P thread to yield the GIL.
 P_SWITCH_INTERVAL_S = 0.0005
-# vLLM's collective entry points (GroupCoordinator methods) that P's forward can reach.
-_COLLECTIVES = ("_all_reduce_out_place", "all_gather", "all_gatherv", "reduce_scatter",
-                "reduce_scatterv", "dispatch_router_logits", "dispatch", "combine")
 
 
 def load_spans(num_boundaries: int) -> tuple[int, ...]:
@@ -90,35 +85,6 @@ def load_spans(num_boundaries: int) -> tuple[int, ...]:
     while spans[-1] * 2 < num_boundaries:
         spans.append(spans[-1] * 2)
     return (*spans, num_boundaries) if num_boundaries > spans[-1] else tuple(spans)
-
-
-def _install_collective_route() -> None:
-    """Wrap vLLM's collectives once per process so that a call from a P thread goes through its
-    lane's `issue_collective` (outermost call only: some collectives call others)."""
-    from vllm.distributed.parallel_state import GroupCoordinator
-
-    if getattr(GroupCoordinator, "_ainfer_pd_routed", False):
-        return
-    for name in _COLLECTIVES:
-        collective = getattr(GroupCoordinator, name, None)
-        if collective is not None:
-            setattr(GroupCoordinator, name, _routed(collective))
-    GroupCoordinator._ainfer_pd_routed = True
-
-
-def _routed(collective: Any) -> Any:
-    @functools.wraps(collective)
-    def wrapper(group: Any, *args: Any, **kwargs: Any) -> Any:
-        epoch = getattr(_P_THREAD, "epoch", None)
-        if epoch is None or group.world_size == 1 or getattr(_P_THREAD, "depth", 0):
-            return collective(group, *args, **kwargs)
-        _P_THREAD.depth = 1
-        try:
-            return epoch.lane.issue_collective(group, collective, args, kwargs)
-        finally:
-            _P_THREAD.depth = 0
-
-    return wrapper
 
 
 def _tokens(jobs) -> int:
@@ -186,7 +152,9 @@ class PLane(LaneRound):
         self.rank = rank
         self.vllm_config = runner.vllm_config
         self.model = runner.get_model()
-        self.num_boundaries = self._install_boundaries()
+        # Each attention call is a P boundary (vllm_glue/attention.py).
+        self.num_boundaries = attention.install_boundaries(self.model, self.vllm_config,
+                                                           log_drafter=rank == 0)
         self.is_cuda = runner.device.type == "cuda"
         self.handoff = config.p_host == "handoff" or (config.p_host == "auto" and not self.is_cuda)
         phase_state.install()
@@ -194,7 +162,7 @@ class PLane(LaneRound):
         self.p_stream = torch.cuda.Stream(device=runner.device) if self.is_cuda else None
         # P reuses vLLM's communicators, so every P collective goes on D's stream (route.py).
         self.route = StreamRoute()
-        _install_collective_route()
+        collectives.install()
         self.overlap = OverlapMeter() if config.overlap_timing and self.is_cuda else None
         self.builder = PBatchBuilder(runner)
         # P's workspace manager (phase_state), allocated on P's first MoE; None where vLLM has
@@ -246,59 +214,6 @@ class PLane(LaneRound):
         if self.is_cuda:
             logger.info("P lane on rank %d: stream priorities %s (lower is higher)", rank,
                         self.stream_priorities())
-
-    def _install_boundaries(self) -> int:
-        """Make each attention call a P boundary: on the P thread, layer i's attention first
-        publishes boundary i + 1 (boundary 0 is the forward's entry). vLLM runs the attention op
-        outside its compiled pieces (the piecewise split points; an opaque custom op otherwise),
-        so P runs the same compiled code as a stock prefill and still stops between layers, with
-        no collective in flight. D's eager attention calls pay one thread-local lookup.
-        Returns the number of boundaries (layers + 1)."""
-        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        # vLLM's forward context also holds a speculative drafter's attention layers, which P
-        # never runs: keep the target model's.
-        target = {id(m) for m in self.model.modules()}
-        by_layer: dict[int, list[Any]] = collections.defaultdict(list)
-        drafter_layers = 0
-        for name, module in self.vllm_config.compilation_config.static_forward_context.items():
-            if not (isinstance(module, AttentionLayerBase) and hasattr(module, "impl")):
-                continue
-            if id(module) in target:
-                by_layer[extract_layer_index(name)].append(module)
-            else:
-                drafter_layers += 1
-        if drafter_layers and self.rank == 0:
-            logger.warning(
-                "P lane: P runs the target model only, so the speculative drafter (%d attention "
-                "layers) sees none of a lane prompt's tokens before its last; its drafts for those "
-                "requests may be accepted less often (outputs are unchanged)", drafter_layers)
-        if (sorted(by_layer) != list(range(len(by_layer)))
-                or any(len(m) != 1 for m in by_layer.values())):
-            raise TypeError(
-                f"the P lane stops at attention layers and needs exactly one per decoder layer; "
-                f"{type(self.model).__name__} has {dict((i, len(m)) for i, m in by_layer.items())}"
-            )
-        for index, (module,) in by_layer.items():
-            if isinstance(module, MLAAttention):
-                # vLLM's MLA op calls the layer's `forward_impl`, which calls the impl's
-                # `forward_mha` / `forward_mqa`; the impl's `forward` never runs.
-                module.forward_impl = self._stop_before(module.forward_impl, index + 1)
-            else:
-                module.impl.forward = self._stop_before(module.impl.forward, index + 1)
-        return len(by_layer) + 1
-
-    def _stop_before(self, attention: Any, boundary: int) -> Any:
-        @functools.wraps(attention)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            epoch = getattr(_P_THREAD, "epoch", None)
-            if epoch is not None and epoch.lane is self:
-                self._boundary(epoch, boundary)
-            return attention(*args, **kwargs)
-
-        return forward
 
     # ---- connector side (main thread, inside vLLM's step) -------------------------------------
 
@@ -361,8 +276,7 @@ class PLane(LaneRound):
         """Bytes held by P's own workspace manager (None without one, on CPU)."""
         if self.p_workspace is None:
             return None
-        return sum(t.numel() * t.element_size()
-                   for t in self.p_workspace._current_workspaces if t is not None)
+        return forward_context.workspace_bytes(self.p_workspace)
 
     def _inflight(self) -> int:
         running = len(self.epoch.jobs) if self.epoch else 0
@@ -572,7 +486,8 @@ class PLane(LaneRound):
 
     def _run_epoch(self, epoch: _Epoch) -> None:
         torch.set_num_threads(self._threads)
-        _P_THREAD.epoch = epoch
+        collectives.route_calling_thread(self.issue_collective)
+        attention.stop_calling_thread_at(functools.partial(self._boundary, epoch))
         phase_state.enter_p(self.p_workspace)  # P's own forward context and workspace
         error: BaseException | None = None
         try:
@@ -592,7 +507,8 @@ class PLane(LaneRound):
             error = exc
         finally:
             phase_state.leave_p()
-            _P_THREAD.epoch = None
+            collectives.route_calling_thread(None)
+            attention.stop_calling_thread_at(None)
         if error is None:
             try:
                 self.controller.finish(epoch.id)
@@ -610,7 +526,7 @@ class PLane(LaneRound):
 
     def _forward(self, epoch: _Epoch) -> None:
         """P's forward: the model's own (compiled, where vLLM compiles) forward without CUDA
-        graphs, over the epoch's batch, parking at each attention layer (`_install_boundaries`).
+        graphs, over the epoch's batch, parking at each attention layer (vllm_glue/attention.py).
         Its hidden states are dropped: P only fills KV; the promoted request's last prompt token
         runs in D. A DP rank without jobs runs one dummy token with no attention metadata (no KV
         written), so its MoE collectives match the other ranks' P.
@@ -640,7 +556,7 @@ class PLane(LaneRound):
         return self.builder.build(epoch.chunks) if epoch.chunks else self.builder.no_work()
 
     def _run_model(self, epoch: _Epoch, batch: PBatch, across_dp: torch.Tensor | None) -> None:
-        with forward_context.set_forward_context(
+        with set_forward_context(
             batch.attn_metadata,
             self.vllm_config,
             num_tokens=batch.num_tokens,
@@ -657,7 +573,7 @@ class PLane(LaneRound):
             )
 
     def issue_collective(self, group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
-        """A P collective (called on the P thread by `_install_collective_route`'s wrappers).
+        """A P collective (called on the P thread by vllm_glue/collectives.py's wrappers).
         P shares vLLM's communicators with D, and their device state (NCCL's per-communicator
         order, custom all-reduce's signal flags) does not survive use from two streams at once, so
         it runs on D's stream, after the D iteration the turnstile released this segment behind."""

@@ -5,13 +5,44 @@ Stock vLLM cannot serve `--data-parallel-size N --enable-expert-parallel` on the
    `AgRsAll2AllManager` calls them with per-rank token counts);
 2. the CPU fused-MoE call ignores `expert_map`, so global expert ids index past the local experts.
 
-`install()` adds both to the running process (vLLM's files are not modified). It is called by the
-ainfer_pd worker on CPU before the model is built, so `mode=normal` and `mode=pd` both get it.
+`install()` adds both to the running process (vLLM's files are not modified). The ainfer_pd
+worker calls it on CPU before the model is built, so `mode=normal` and `mode=pd` both get it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch
+
+_WHY_COMM = ("vLLM 0.26's CPU communicator lacks it, and the EP dispatch/combine of "
+             "AgRsAll2AllManager calls it")
+PATCHES = [
+    Patch("vllm.distributed.device_communicators.cpu_communicator:CpuCommunicator.all_gatherv",
+          _WHY_COMM, ("self", "input_", "dim", "sizes"), does="supplies", platform="cpu"),
+    Patch("vllm.distributed.device_communicators.cpu_communicator:"
+          "CpuCommunicator.reduce_scatterv",
+          _WHY_COMM, ("self", "input_", "dim", "sizes"), does="supplies", platform="cpu"),
+    Patch("vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE.__call__",
+          "vLLM 0.26's CPU fused MoE ignores `expert_map`: under EP global expert ids index past "
+          "the local experts",
+          ("self", "layer", "x", "use_grouped_topk", "top_k", "router_logits", "renormalize",
+           "topk_group", "num_expert_group", "global_num_experts", "expert_map",
+           "custom_routing_function", "scoring_func", "routed_scaling_factor",
+           "e_score_correction_bias", "apply_router_weight_on_input", "activation"),
+          does="wraps", platform="cpu"),
+    Patch("vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE", "the wrapped call "
+          "runs stock's kernel on the mapped ids", uses=("forward_method",), does="calls",
+          platform="cpu"),
+    Patch("vllm.model_executor.layers.fused_moe.cpu_fused_moe:select_experts",
+          "the wrapped call routes as stock does before it maps expert ids",
+          uses=("hidden_states", "router_logits", "use_grouped_topk", "top_k", "renormalize",
+                "topk_group", "num_expert_group", "custom_routing_function", "scoring_func",
+                "routed_scaling_factor", "e_score_correction_bias"),
+          does="calls", platform="cpu"),
+    Patch("vllm.model_executor.layers.fused_moe.activation:MoEActivation.SILU",
+          "the activation stock's CPU fused MoE defaults to", does="reads", platform="cpu"),
+]
 
 _installed = False
 

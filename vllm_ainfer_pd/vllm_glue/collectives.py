@@ -1,0 +1,79 @@
+"""vLLM's collective entry points, routed for the P thread.
+
+P reuses vLLM's communicators (`GroupCoordinator`), whose device state is not safe under use from
+two streams at once, so each P collective must be issued where the lane says (on D's stream,
+after the D iteration the turnstile released P's segment behind: `PLane.issue_collective`).
+`install()` wraps the entry points P's forward can reach, once per process; a thread that called
+`route_calling_thread(issue)` has its outermost collective calls (some collectives call others)
+go through `issue(group, collective, args, kwargs)`. Every other thread, and a group of one
+rank, calls vLLM's method directly after one thread-local lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch
+
+# vLLM's collective entry points (GroupCoordinator methods) that P's forward can reach.
+COLLECTIVES = {
+    "_all_reduce_out_place": ("self", "input_"),
+    "all_gather": ("self", "input_", "dim"),
+    "all_gatherv": ("self", "input_", "dim", "sizes"),
+    "reduce_scatter": ("self", "input_", "dim"),
+    "reduce_scatterv": ("self", "input_", "dim", "sizes"),
+    "dispatch_router_logits": ("self", "hidden_states", "router_logits", "is_sequence_parallel",
+                               "extra_tensors"),
+    "dispatch": ("self", "hidden_states", "topk_weights", "topk_ids", "is_sequence_parallel",
+                 "extra_tensors"),
+    "combine": ("self", "hidden_states", "is_sequence_parallel"),
+}
+PATCHES = [
+    Patch(f"vllm.distributed.parallel_state:GroupCoordinator.{name}", "P's collectives on "
+          "vLLM's communicators are issued on D's stream, ordered after the D iteration that "
+          "released them", params, does="wraps")
+    for name, params in COLLECTIVES.items()
+] + [
+    Patch("vllm.distributed.parallel_state:GroupCoordinator", "the route registers each group "
+          "P uses by name and ranks", uses=("unique_name", "ranks", "world_size"), does="reads"),
+]
+
+Issue = Callable[[Any, Callable[..., Any], tuple, dict], Any]
+_ROUTE = threading.local()  # .issue: the calling thread's route; .depth: inside a routed call
+
+
+def route_calling_thread(issue: Issue | None) -> None:
+    """Route the calling thread's collectives through `issue` (None: back to vLLM's own)."""
+    _ROUTE.issue = issue
+    _ROUTE.depth = 0
+
+
+def install() -> None:
+    """Wrap vLLM's collectives once per process."""
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    if getattr(GroupCoordinator, "_ainfer_pd_routed", False):
+        return
+    for name in COLLECTIVES:
+        collective = getattr(GroupCoordinator, name, None)
+        if collective is not None:
+            setattr(GroupCoordinator, name, _routed(collective))
+    GroupCoordinator._ainfer_pd_routed = True
+
+
+def _routed(collective: Any) -> Any:
+    @functools.wraps(collective)
+    def wrapper(group: Any, *args: Any, **kwargs: Any) -> Any:
+        issue = getattr(_ROUTE, "issue", None)
+        if issue is None or group.world_size == 1 or getattr(_ROUTE, "depth", 0):
+            return collective(group, *args, **kwargs)
+        _ROUTE.depth = 1
+        try:
+            return issue(group, collective, args, kwargs)
+        finally:
+            _ROUTE.depth = 0
+
+    return wrapper

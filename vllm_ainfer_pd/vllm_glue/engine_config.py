@@ -1,0 +1,28 @@
+"""The fields of vLLM's engine config the executor reads and sets (`executor/__init__.py`).
+
+No patch: `AInferPDExecutor` validates the deployment from these fields and, before vLLM builds
+the workers and the scheduler, sets the worker and scheduler classes and puts the P lane in the
+KV-connector slot (after `VllmConfig.__post_init__`, so it repeats what that does for a
+connector without hybrid-KV support).
+"""
+
+from __future__ import annotations
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch
+
+PATCHES = [
+    Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; V2 runner and "
+          "LoRA are refused", uses=("kv_transfer_config", "use_v2_model_runner", "lora_config",
+                                    "additional_config"), does="sets"),
+    Patch("vllm.config:SchedulerConfig", "the planner's scheduler class; a connector without "
+          "hybrid-KV support needs the hybrid KV cache manager off",
+          uses=("scheduler_cls", "async_scheduling", "disable_hybrid_kv_cache_manager",
+                "max_num_batched_tokens", "max_num_seqs"), does="sets"),
+    Patch("vllm.config:ParallelConfig", "the worker class, and the layouts the lane cannot run",
+          uses=("worker_cls", "pipeline_parallel_size", "data_parallel_size",
+                "data_parallel_rank", "enable_expert_parallel", "all2all_backend", "enable_eplb",
+                "decode_context_parallel_size", "prefill_context_parallel_size"), does="sets"),
+    Patch("vllm.config:KVTransferConfig", "the lane's connector settings",
+          uses=("kv_connector", "kv_role", "kv_load_failure_policy",
+                "kv_connector_extra_config"), does="builds"),
+]

@@ -1,0 +1,37 @@
+"""The backend's short name: `Executor.get_class` resolves `ainfer_pd` to our executor.
+
+vLLM resolves `--distributed-executor-backend` through the static method `Executor.get_class`
+(a dot-less string other than its own names would fail in `resolve_obj_by_qualname`). Every
+call site looks it up on the class, so one wrap, applied by the plugin in every vLLM process
+before any `VllmConfig` is built, is enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch
+
+PATCHES = [
+    Patch("vllm.v1.executor.abstract:Executor.get_class", "`--distributed-executor-backend "
+          "ainfer_pd` (a name without dots) resolves to AInferPDExecutor, validated and with the "
+          "P lane configured", ("vllm_config",), does="wraps"),
+]
+
+
+def install(name: str, select: Callable[[object], type]) -> None:
+    """Make `Executor.get_class(vllm_config)` return `select(vllm_config)` when the backend is
+    `name`; other backends resolve as before. Idempotent."""
+    from vllm.v1.executor.abstract import Executor
+
+    if getattr(Executor.get_class, "_ainfer_pd", False):
+        return
+    stock_get_class = Executor.get_class
+
+    def get_class(vllm_config):
+        if vllm_config.parallel_config.distributed_executor_backend == name:
+            return select(vllm_config)
+        return stock_get_class(vllm_config)
+
+    get_class._ainfer_pd = True
+    Executor.get_class = staticmethod(get_class)
