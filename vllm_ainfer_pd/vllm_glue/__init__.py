@@ -20,6 +20,7 @@ stops with one line naming the symbol and the difference, instead of failing ins
 | `dp_sync.py` | the per-forward DP all-reduce, carrying each rank's queued P tokens |
 | `streams.py` | vLLM's compute stream at a higher priority (GPU) |
 | `cpu_compat.py` | what vLLM's CPU path lacks for expert parallelism |
+| `moe_phase.py` | MoE layers: P's calls resolve to P's own expert-parallel state |
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ def all_patches() -> list[Patch]:
         forward_context,
         kv_connector,
         model_runner,
+        moe_phase,
         scheduler,
         streams,
     )
 
     modules = (executor_class, kv_connector, engine_config, scheduler, model_runner,
-               forward_context, attention, collectives, dp_sync, streams, cpu_compat)
+               forward_context, attention, collectives, dp_sync, streams, cpu_compat, moe_phase)
     return [patch for module in modules for patch in module.PATCHES]
 
 
