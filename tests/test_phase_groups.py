@@ -125,6 +125,7 @@ def _scenarios_rank(rank: int, world_size: int, port: int) -> dict:
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
 
+    from vllm_ainfer_pd.deepep.manager import PhaseEP
     from vllm_ainfer_pd.vllm_glue import moe_phase
 
     config, groups = _setup(rank, world_size, port)
@@ -137,20 +138,21 @@ def _scenarios_rank(rank: int, world_size: int, port: int) -> dict:
     # 2. A P epoch fails after issuing collectives on P's groups, on rank 1 only: its groups are
     # retired; both ranks rebuild at one agreed point (the lane agrees on it in its rendezvous;
     # here one all-gather over the world), and P's next exchange runs on the new groups.
+    state = PhaseEP(groups=groups)
     old = dict(groups.groups)
-    groups.open_epoch()
+    state.open_epoch()
     out["before"] = _on_p_thread(lambda: _exchange(config, rank, world_size, 3))
-    groups.note_collective()
-    groups.close_epoch(failed=rank == 1)
-    out["retired_here"] = groups.retired
+    state.note_collective()  # the lane counts each collective on P's own groups
+    state.close_epoch(failed=rank == 1)
+    out["retired_here"] = state.retired
     flags = [None] * world_size
-    dist.all_gather_object(flags, groups.retired)
+    dist.all_gather_object(flags, state.retired)
     if any(flags):
         with set_current_vllm_config(config):
-            groups.rebuild()
+            state.rebuild()
     out["after"] = _on_p_thread(lambda: _exchange(config, rank, world_size, 4))
     out["old_destroyed"] = all(not hasattr(g, "device_group") for g in old.values())
-    out["rebuilds"], out["retired_now"] = groups.rebuilds, groups.retired
+    out["rebuilds"], out["retired_now"] = state.rebuilds, state.retired
 
     # 3. Negative control: without P's own groups P's getters return D's.
     moe_phase.install_group_view(None)

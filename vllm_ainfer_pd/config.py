@@ -67,6 +67,11 @@ class AInferPDConfig:
     # leaves both streams equal (stock vLLM's stream). Not the default: on 1 x H200 `high` gained
     # nothing beyond run-to-run spread (benchmarks/RESULTS.md).
     d_stream_priority: str = "default"
+    # Phase-owned DeepEP (docs/deepep.md): the SMs P's normal-mode dispatch and combine kernels
+    # take (DeepEP runs one channel per two SMs, so it must be even). Low, so that D's
+    # low-latency kernels, launched beside them, still find SMs: 24 of an H200's 132. Checked
+    # against the device's SM count when the worker builds the buffers.
+    p_deepep_sms: int = 24
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -98,6 +103,9 @@ class AInferPDConfig:
             )
         if not self.timeout_s > 0:
             raise ConfigError(f"ainfer_pd.timeout_s={self.timeout_s!r} must be > 0")
+        if self.p_deepep_sms < 2 or self.p_deepep_sms % 2:
+            raise ConfigError(f"ainfer_pd.p_deepep_sms={self.p_deepep_sms!r} must be a positive "
+                              f"even number (DeepEP runs one channel per two SMs)")
 
     @property
     def p_lane_enabled(self) -> bool:

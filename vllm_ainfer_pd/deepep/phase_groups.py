@@ -12,9 +12,8 @@ communicator and all-to-all manager. `vllm_glue.moe_phase` makes the P thread's 
 `get_ep_group()` / `get_dp_group()` resolve to them, so P's MoE dispatch and combine never touch
 D's communicators. The TP group stays shared (P's TP all-reduce is still routed).
 
-Invariant: a P epoch either leaves P's communicators in step on every rank (each rank issued the
-same collectives) or retires them; retired communicators are rebuilt on every rank at one agreed
-point before P's next epoch (`rebuild`), never used half-advanced.
+After a failed P epoch that used them, P's communicators are rebuilt on every rank at one agreed
+point (`rebuild`; `manager.PhaseEP` decides when), never used half-advanced.
 """
 
 from __future__ import annotations
@@ -45,9 +44,6 @@ class PhaseGroups:
         self.groups = groups  # "ep"/"dp" -> P's GroupCoordinator
         self.d_groups = d_groups  # every D group of the job with at least two ranks
         self._crossed: dict[str, bool] = {}
-        self.epoch_collectives = 0  # P collectives on these groups in the epoch now open
-        self.retired = False
-        self.rebuilds = 0
 
     @classmethod
     def build(cls) -> PhaseGroups:
@@ -80,25 +76,6 @@ class PhaseGroups:
             self._crossed[name] = any(crosses(group.ranks, d) for d in self.d_groups)
         return self._crossed[name]
 
-    # ---- lifecycle (main thread opens/closes epochs; the P thread counts its collectives) ------
-
-    def open_epoch(self) -> None:
-        self.epoch_collectives = 0
-
-    def note_collective(self) -> None:
-        self.epoch_collectives += 1
-
-    def close_epoch(self, failed: bool) -> None:
-        """A failed epoch that issued any collective on P's communicators retires them: this rank
-        cannot tell whether its peers issued the same ones (a peer may have gone one further), and
-        a gloo group or NCCL communicator with an unmatched call would pair it with the next
-        epoch's first one."""
-        if failed and self.epoch_collectives:
-            self.retired = True
-            logger.warning("P's expert-parallel communicators retired after a failed epoch that "
-                           "issued %d collectives on them; rebuilt before P's next epoch",
-                           self.epoch_collectives)
-
     def rebuild(self, drain: Callable[[], None] | None = None) -> None:
         """Destroy P's communicators and build new ones over the same ranks. Collective over the
         world: every rank calls it at the same point (the lane agrees on it in a rendezvous).
@@ -110,8 +87,6 @@ class PhaseGroups:
             group.destroy()
         self.groups = _copy_groups()
         self._crossed.clear()
-        self.retired = False
-        self.rebuilds += 1
 
     def destroy(self) -> None:
         for group in self.groups.values():
