@@ -56,7 +56,8 @@ GPU_ENGINE = {"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "block_size"
 # rollout's CPU engine arguments (max_num_seqs 16; the CPU attention backend's 128-token blocks).
 CPU_ENGINE = {"max_num_batched_tokens": 2048, "max_num_seqs": 16, "block_size": 128,
               "async_scheduling": False, "client_overhead_s": 0.005,
-              "client_overhead_per_token_s": 3.0e-6, "normal_step_overhead": 0.003}
+              "client_overhead_per_token_s": 3.0e-6, "normal_step_overhead": 0.003,
+              "cudagraph_capture_size": 0}
 # CPU ranks exchange expert-parallel activations through shared memory (vLLM's CPU collectives),
 # a few GB/s, with tens of microseconds per call; ranks share the cores (`cores`).
 CPU_HARDWARE = {"name": "CPU", "link_gbps": 5.0, "hop_latency_us": 20.0,
@@ -472,6 +473,7 @@ def refit(args: argparse.Namespace) -> Path:
                            "hbm_tbps": raw["hardware"]["hbm_tbps"]}
     else:
         raw["hardware"] = {**CPU_HARDWARE, "cores": raw["hardware"]["cores"]}
+        raw["engine"]["cudagraph_capture_size"] = 0  # eager on the CPU: no graph modes
     prof = Profile.from_dict(raw)
     folder = Path(args.records_from).resolve()
     overheads = [request_overhead(recs) for _, recs in _records(folder, ("stock", "normal", "pd"))]

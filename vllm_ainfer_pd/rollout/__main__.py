@@ -285,6 +285,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--lane-min-tokens", type=int, default=512,
                    help="the P lane's threshold, ainfer_pd.p_lane_min_tokens (default 512)")
     t.set_defaults(fn=cmd_ttft)
+
+    from vllm_ainfer_pd.rollout.scale.cli import add_parser as add_project_parser
+
+    add_project_parser(sub)  # `project validate|run|simulate`: the scale model
     return p
 
 

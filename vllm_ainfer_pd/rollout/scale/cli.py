@@ -1,0 +1,102 @@
+"""`vllm-ainfer-pd-rollout project ...`: the scale model from the command line.
+
+    project validate [--out DIR]                      every measured run against the model
+    project run [--presets gpu,gpu-mla,deepseek-v3] [--dp 1,2,4,8,16] [--wait-scale 0.1]
+                [--trace-preset gpu-quick] [--no-paper] [--out DIR]
+    project simulate --profile FILE (--trace FILE | --preset NAME) [--engine pd] [--dp 2]
+                [--cadence 8] [--wait-scale 0.1]      one modelled replay, its summary as JSON
+
+Profiles and results default to `benchmarks/results/scale/` of this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def scale_dir() -> Path:
+    return Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "scale"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("project", help="the scale model: validate it, or project DP x EP "
+                                       "rollouts past the GPUs at hand (docs/scale-model.md)")
+    psub = p.add_subparsers(dest="project_cmd", required=True)
+    v = psub.add_parser("validate", help="model every measured run in benchmarks/results")
+    v.add_argument("--out", type=Path, default=None, help="write validation.md/.json here")
+    v.add_argument("--profiles", type=Path, default=None, help="folder of profile_*.json")
+    v.set_defaults(fn=cmd_validate)
+    r = psub.add_parser("run", help="project DP = 1..16 with expert parallelism (projected)")
+    r.add_argument("--presets", default="gpu,gpu-mla,deepseek-v3")
+    r.add_argument("--dp", default="1,2,4,8,16")
+    r.add_argument("--wait-scale", type=float, default=0.1)
+    r.add_argument("--trace-preset", default="gpu-quick", help="one rank's load, repeated per rank")
+    r.add_argument("--no-paper", action="store_true", help="skip the paper's setting")
+    r.add_argument("--profiles", type=Path, default=None)
+    r.add_argument("--out", type=Path, default=None, help="write projection.md/.json/.png here")
+    r.set_defaults(fn=cmd_run)
+    s = psub.add_parser("simulate", help="one modelled replay of a trace")
+    s.add_argument("--profile", type=Path, required=True)
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--trace", type=Path)
+    g.add_argument("--preset")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--engine", default="pd", choices=["stock", "cadence", "normal", "pd"])
+    s.add_argument("--cadence", type=int, default=1)
+    s.add_argument("--dp", type=int, default=1)
+    s.add_argument("--wait-scale", type=float, default=1.0)
+    s.set_defaults(fn=cmd_simulate)
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from vllm_ainfer_pd.rollout.scale import validate
+
+    rows = validate.validate(profiles_dir=args.profiles)
+    print(validate.markdown(rows))
+    print("\n".join(validate.summary_lines(rows)))
+    if args.out:
+        print("written: " + ", ".join(map(str, validate.write(rows, args.out))))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from vllm_ainfer_pd.rollout.scale import project
+
+    profs = project.default_profiles(args.profiles or scale_dir())
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = sorted(set(presets) - set(profs))
+    if unknown:
+        raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(profs)}")
+    dps = tuple(int(x) for x in args.dp.split(",") if x)
+
+    def progress(row: dict) -> None:
+        q = row["ratios"]
+        print(f"[project] {row['preset']} DP={row['dp']}: pd / stock makespan "
+              f"{q['pd/stock']['makespan_s']:.3f}, pd / best cadence "
+              f"{q['pd/best_cadence']['makespan_s']:.3f} ({project.LABEL})", file=sys.stderr)
+
+    rows = project.project({k: profs[k] for k in presets}, args.trace_preset, args.wait_scale,
+                           dps, progress)
+    paper = [] if args.no_paper else project.project_paper(profs["gpu"])
+    print(project.markdown(rows))
+    if paper:
+        print("\n" + project.paper_markdown(paper))
+    if args.out:
+        meta = {"trace_preset": args.trace_preset, "wait_scale": args.wait_scale,
+                "presets": presets, "dp": list(dps)}
+        print("written: " + ", ".join(map(str, project.write(rows, paper, args.out, meta))))
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from vllm_ainfer_pd.rollout.generator import generate
+    from vllm_ainfer_pd.rollout.scale import EngineSpec, Layout, load_profile, simulate
+    from vllm_ainfer_pd.rollout.trace import load_trace
+
+    trace = load_trace(args.trace) if args.trace else generate(args.preset, args.seed)
+    spec = EngineSpec(args.engine, cadence=args.cadence)
+    res = simulate(trace, load_profile(args.profile), Layout(dp=args.dp, ep=args.dp > 1), spec,
+                   args.wait_scale)
+    print(json.dumps({"label": "modelled", "engine": spec.label, "dp": args.dp,
+                      "summary": res.summary, "counters": res.counters}, indent=1))

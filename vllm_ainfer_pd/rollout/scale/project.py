@@ -1,0 +1,262 @@
+"""Projections: DP = 1, 2, 4, 8, 16 with expert parallelism, the same load on every rank (the trace
+repeated once per DP rank), for the `gpu` and `gpu-mla` presets and a DeepSeek-V3-sized model,
+and the paper's own setting. Every number here is a projection, labelled so.
+
+A DeepSeek-V3-sized profile is derived from the measured `gpu-mla` profile by FLOP and byte
+scaling: DeepSeek-V3's shape (61 layers, 3 dense, 256 routed experts top-8 with one shared,
+hidden 7,168, MLA with 128 heads, FP8 weights, bf16 KV), uniform routing (a trained router with
+load balancing, where the dummy-weight `gpu-mla` routes to a few experts), the H200's fitted byte
+and FLOP rates (FP8 GEMMs at the measured bf16 rate: no FP8 speed-up is assumed), the per-step
+constant and the host floors of graph modes scaled by layers (61 / 24), the lane's host time per
+layer as measured on `gpu-mla`. Its weights (~671 GB in FP8) fit in 141 GB H200s only from EP=8
+(84 GB each, leaving ~45 GB for KV); smaller layouts are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from vllm_ainfer_pd.rollout.generator import generate
+from vllm_ainfer_pd.rollout.scale.costs import Layout
+from vllm_ainfer_pd.rollout.scale.engines import EngineSpec
+from vllm_ainfer_pd.rollout.scale.profile import Costs, Profile, load_profile
+from vllm_ainfer_pd.rollout.scale.shape import ModelShape
+from vllm_ainfer_pd.rollout.scale.sim import simulate
+from vllm_ainfer_pd.rollout.trace import Trace, Trajectory
+
+DPS = (1, 2, 4, 8, 16)
+CADENCES = (2, 4, 8, 16, 32)
+LABEL = "projected"
+
+DEEPSEEK_V3 = ModelShape(
+    name="deepseek-v3", hidden=7168, layers=61, heads=128, vocab=129280, experts=256, top_k=8,
+    moe_inter=2048, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, shared_experts=1, dense_layers=3, dense_inter=18432,
+    weight_bytes=1.0, kv_bytes=2.0, act_bytes=2.0)
+H200_GB = 141.0
+
+
+def scaled_profile(base: Profile, shape: ModelShape, name: str, *, flops: float = 1.0,
+                   bytes_: float = 1.0, hardware: dict[str, Any] | None = None) -> Profile:
+    """`base`'s device and host constants carried to `shape`: per-layer host work and the
+    per-step constant scale with the layer count; `flops` and `bytes_` divide the rates (another
+    device's peaks over the measured one's)."""
+    c = base.costs
+    layers = shape.layers / base.shape.layers
+    fixed = Costs(c.t0 * layers, c.s_per_byte / bytes_, c.s_per_flop / flops,
+                  c.s_per_attn_flop / flops, c.h_piecewise * layers, c.h_eager * layers)
+    return replace(base, name=name, shape=shape, points=(), fixed_costs=fixed,
+                   hardware={**base.hardware, **(hardware or {})},
+                   source=f"{LABEL}: {name} scaled from {base.name} ({base.source[:80]}...)")
+
+
+def weights_fit(shape: ModelShape, ranks: int, gpu_gb: float = H200_GB) -> bool:
+    """Whether a rank's share of the weights leaves at least a fifth of the GPU for KV."""
+    per_rank = (shape.dense_params + shape.moe_layers * shape.experts * shape.expert_params
+                / ranks) * shape.weight_bytes / 1e9
+    return per_rank <= 0.8 * gpu_gb
+
+
+def replicate(trace: Trace, copies: int) -> Trace:
+    """`copies` copies of every trajectory (new ids): the load of one rank on each of `copies`."""
+    if copies == 1:
+        return trace
+    trajs = tuple(Trajectory(f"{t.id}.{k}", t.turns, t.start_s)
+                  for k in range(copies) for t in trace.trajectories)
+    return Trace(trajs, {**trace.meta, "replicated": copies})
+
+
+def _metrics(summary: dict[str, Any]) -> dict[str, float]:
+    return {"makespan_s": summary["makespan_s"], "ttft_p99_s": summary["ttft_s"]["p99"],
+            "tpot_p50_s": summary["tpot_s"]["p50"], "requests_per_s": summary["requests_per_s"]}
+
+
+def project_one(profile: Profile, trace: Trace, dp: int, wait_scale: float,
+                cadences: tuple[int, ...] = CADENCES) -> dict[str, Any]:
+    """Every engine on `dp` ranks (expert parallelism over all of them) with `dp` copies of the
+    trace; the best cadence is the one with the shortest makespan."""
+    layout = Layout(dp=dp, ep=True)
+    work = replicate(trace, dp)
+    out: dict[str, Any] = {"dp": dp, "label": LABEL, "engines": {}}
+    specs = {"stock": EngineSpec("stock"), "normal": EngineSpec("normal"),
+             "pd": EngineSpec("pd"),
+             # Every uncached prompt through the lane (the smallest threshold the option takes):
+             # at DP > 1 an inline prefill still stretches every rank's step.
+             "pd_lane_all": EngineSpec("pd", lane=(("p_lane_min_tokens", 2),))}
+    specs.update({f"cadence{n}": EngineSpec("cadence", cadence=n) for n in cadences if dp > 1})
+    for label, spec in specs.items():
+        out["engines"][label] = _metrics(simulate(work, profile, layout, spec,
+                                                  wait_scale).summary)
+    eng = out["engines"]
+    cads = {k: v for k, v in eng.items() if k.startswith("cadence")} or {"stock": eng["stock"]}
+    best = min(cads, key=lambda k: cads[k]["makespan_s"])
+    if eng["stock"]["makespan_s"] <= cads[best]["makespan_s"]:
+        best = "stock"
+    out["best_cadence"] = best
+    pd, pd_all = eng["pd"], eng["pd_lane_all"]
+    out["ratios"] = {
+        "pd/stock": {k: pd[k] / eng["stock"][k] for k in pd},
+        "pd/best_cadence": {k: pd[k] / eng[best][k] for k in pd},
+        "pd/normal": {k: pd[k] / eng["normal"][k] for k in pd},
+        "pd_lane_all/stock": {k: pd_all[k] / eng["stock"][k] for k in pd},
+        "pd_lane_all/best_cadence": {k: pd_all[k] / eng[best][k] for k in pd},
+    }
+    return out
+
+
+def project(profiles: dict[str, Profile], trace_preset: str = "gpu-quick",
+            wait_scale: float = 0.1, dps: tuple[int, ...] = DPS,
+            progress: Any = None) -> list[dict[str, Any]]:
+    trace = generate(trace_preset, 0)
+    rows = []
+    for name, prof in profiles.items():
+        for dp in dps:
+            if not weights_fit(prof.shape, dp):
+                rows.append({"preset": name, "dp": dp, "label": LABEL, "skipped":
+                             "weights do not fit in this many H200s"})
+                continue
+            row = {"preset": name, "trace": f"{trace_preset} x {dp}",
+                   "wait_scale": wait_scale, **project_one(prof, trace, dp, wait_scale)}
+            rows.append(row)
+            if progress:
+                progress(row)
+    return rows
+
+
+def default_profiles(scale_dir: Path) -> dict[str, Profile]:
+    gpu = load_profile(scale_dir / "profile_gpu.json")
+    mla = load_profile(scale_dir / "profile_gpu_mla.json")
+    dsv3 = scaled_profile(mla, DEEPSEEK_V3, "deepseek-v3")
+    return {"gpu": gpu, "gpu-mla": mla, "deepseek-v3": dsv3}
+
+
+# -- the paper's setting ---------------------------------------------------------------------
+
+# Its main campaign: 8 x H20-3E, EP8 / ADP8 (H3, H4: attention TP 1), a 42-layer MoE with hidden
+# 2,560, 512 routed experts, top-8; the `paper` trace (128 trajectories, 1,265 requests), client
+# waits x 0, 0.01, 0.03, 0.10 (P1-P4) and the original vector. What the paper does not state is
+# assumed: GQA attention with 32 heads of 128 and 4 KV heads, 1,536-wide experts, no shared or
+# dense layers, vocabulary 151,936, bf16; H20-3E at 148 TFLOP/s (bf16 dense) and 4.8 TB/s, the
+# H200's measured efficiencies carried over by those peaks, NVLink within the node.
+PAPER_SHAPE = ModelShape(name="paper-42l", hidden=2560, layers=42, heads=32, vocab=151936,
+                         experts=512, top_k=8, moe_inter=1536, attention="gqa", kv_heads=4,
+                         head_dim=128)
+H20_3E = {"name": "H20-3E", "peak_tflops": 148.0, "hbm_tbps": 4.8}
+PAPER_WAITS = {"P1": 0.0, "P2": 0.01, "P3": 0.03, "P4": 0.10, "original": 1.0}
+# The paper's reported AInfer-PD against Normal on this setting (section 7): requests/s gains of
+# 22.0-34.6% over P1-P4 with DeepEP (makespan 0.74-0.82x), 5.5% lower makespan with the original
+# waits; without DeepEP on H3/H4, E2E -21.5% and -22.5% with no added wait.
+PAPER_REPORTED = {"P1-P4 (DeepEP)": "makespan 0.74-0.82x Normal (requests/s +22.0-34.6%)",
+                  "original waits": "makespan 0.945x Normal", "H3/H4, no wait": "E2E 0.775-0.785x"}
+
+
+def paper_profile(gpu: Profile) -> Profile:
+    hw = {"peak_tflops": H20_3E["peak_tflops"], "hbm_tbps": H20_3E["hbm_tbps"],
+          "name": H20_3E["name"]}
+    return scaled_profile(gpu, PAPER_SHAPE, "paper-42l-h20",
+                          flops=H20_3E["peak_tflops"] / gpu.hardware["peak_tflops"],
+                          bytes_=H20_3E["hbm_tbps"] / gpu.hardware["hbm_tbps"], hardware=hw)
+
+
+def project_paper(gpu: Profile, dp: int = 8) -> list[dict[str, Any]]:
+    prof = paper_profile(gpu)
+    trace = generate("paper", 0)
+    rows = []
+    for name, ws in PAPER_WAITS.items():
+        layout = Layout(dp=dp, ep=True)
+        eng = {}
+        for spec in (EngineSpec("stock"), EngineSpec("normal"), EngineSpec("pd")):
+            eng[spec.label] = _metrics(simulate(trace, prof, layout, spec, ws).summary)
+        rows.append({"setting": name, "wait_scale": ws, "dp": dp, "label": LABEL,
+                     "engines": eng,
+                     "pd/normal": {k: eng["pd"][k] / eng["normal"][k] for k in eng["pd"]}})
+    return rows
+
+
+# -- output ----------------------------------------------------------------------------------
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| preset | DP (=EP) | stock makespan (s) | best cadence (makespan) | pd makespan (s) "
+            "| pd / stock: makespan, p99 TTFT, TPOT p50 | pd / best cadence: makespan | "
+            "all prompts through the lane: / stock, / best cadence |")
+    lines = [f"All numbers {LABEL}.", "", head, "|" + "---|" * 8]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['preset']} | {r['dp']} | {r['skipped']} | | | | | |")
+            continue
+        e, q = r["engines"], r["ratios"]
+        lines.append(
+            f"| {r['preset']} | {r['dp']} | {e['stock']['makespan_s']:.1f} | {r['best_cadence']}"
+            f" ({e[r['best_cadence']]['makespan_s']:.1f}) | {e['pd']['makespan_s']:.1f} | "
+            f"{q['pd/stock']['makespan_s']:.3f}, {q['pd/stock']['ttft_p99_s']:.2f}, "
+            f"{q['pd/stock']['tpot_p50_s']:.2f} | {q['pd/best_cadence']['makespan_s']:.3f} | "
+            f"{q['pd_lane_all/stock']['makespan_s']:.3f}, "
+            f"{q['pd_lane_all/best_cadence']['makespan_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def paper_markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| waits | stock makespan (s) | normal makespan (s) | pd makespan (s) | "
+            "pd / normal: makespan, p99 TTFT |")
+    lines = [f"All model numbers {LABEL} (8 x H20-3E, EP8 / ADP8, `paper` trace).", "", head,
+             "|---|---|---|---|---|"]
+    for r in rows:
+        e, q = r["engines"], r["pd/normal"]
+        lines.append(f"| {r['setting']} (x {r['wait_scale']:g}) | {e['stock']['makespan_s']:.1f} "
+                     f"| {e['normal']['makespan_s']:.1f} | {e['pd']['makespan_s']:.1f} | "
+                     f"{q['makespan_s']:.3f}, {q['ttft_p99_s']:.2f} |")
+    lines += ["", ("The paper reports (measured, its own engine AInfer, against AInfer Normal, "
+                   "which gives prefill strict priority):")]
+    lines += [f"- {k}: {v}" for k, v in PAPER_REPORTED.items()]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, key, title in ((axes[0], "pd/stock", "pd / stock"),
+                           (axes[1], "pd/best_cadence", "pd / stock with its best cadence")):
+        for preset in dict.fromkeys(r["preset"] for r in rows):
+            pts = [(r["dp"], r["ratios"][key]["makespan_s"]) for r in rows
+                   if r["preset"] == preset and "ratios" in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=preset)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("DP ranks (expert parallelism over all)")
+        ax.set_title(f"{title} ({LABEL})")
+    axes[0].set_ylabel("makespan ratio")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(rows: list[dict[str, Any]], paper: list[dict[str, Any]], out_dir: Path,
+          meta: dict[str, Any]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / "projection.json", out_dir / "projection.md"
+    js.write_text(json.dumps({"label": LABEL, "meta": meta, "rows": rows, "paper": paper},
+                             indent=1, default=_nan) + "\n")
+    md.write_text("# Scale model: projections\n\n" + markdown(rows) + "\n\n## The paper's setting\n\n"
+                  + paper_markdown(paper) + "\n")
+    paths = [md, js]
+    png = plot(rows, out_dir / "projection.png")
+    if png:
+        paths.append(png)
+    return paths
+
+
+def _nan(x: Any) -> Any:
+    return None if isinstance(x, float) and math.isnan(x) else str(x)
