@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -66,6 +67,16 @@ def parse_args() -> argparse.Namespace:
                         help="JSON for both engines (offline TP layouts), e.g. "
                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'; "
                              "the report then has each engine's draft and acceptance counts")
+    # Served layouts (--dp > 1): a reference other than stock, e.g. the backend's mode=normal with a
+    # single-mode DeepEP backend against phase-owned DeepEP (gpu_run.sh dp2deepep).
+    parser.add_argument("--reference-additional-config", type=json.loads, default=None,
+                        help="served: the reference runs ainfer_pd with this JSON, e.g. "
+                             "'{\"ainfer_pd\": {\"mode\": \"normal\"}}' (default: stock vLLM)")
+    parser.add_argument("--reference-flags", default="",
+                        help="served: more `vllm serve` flags for the reference only")
+    parser.add_argument("--ours-flags", default="",
+                        help="served: more `vllm serve` flags for ours only, e.g. "
+                             "'--all2all-backend deepep_low_latency'")
     return parser.parse_args()
 
 
@@ -229,11 +240,16 @@ def serve_parity(args, result: dict) -> None:
     ours_flags = flags + ["--distributed-executor-backend", "ainfer_pd"]
     if args.additional_config is not None:
         ours_flags += ["--additional-config", json.dumps(args.additional_config)]
+    ours_flags += shlex.split(args.ours_flags)
+    reference_flags = flags + shlex.split(args.reference_flags)
+    if args.reference_additional_config is not None:
+        reference_flags += ["--distributed-executor-backend", "ainfer_pd", "--additional-config",
+                            json.dumps(args.reference_additional_config)]
     waves = parity_waves(vocab_size=512, long=args.long_prompts)
     prompts = [p for w in waves for p in w]
-    result.update(versions=versions(), flags=flags, ours_flags=ours_flags)
+    result.update(versions=versions(), flags=reference_flags, ours_flags=ours_flags)
     log_dir = os.environ.get("GPU_PARITY_LOG_DIR")
-    stock_srv = _server(args.model, flags, "stock", log_dir)
+    stock_srv = _server(args.model, reference_flags, "stock", log_dir)
     try:
         stock_srv.start()
         stock = ServerRunner(stock_srv.url, args.model)

@@ -37,6 +37,15 @@
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
+#   deepep1    one GPU, no vLLM: benchmarks/deepep_one_gpu.py (phase-owned DeepEP sizes; both buffers
+#              and what runs of them at EP=1). DeepEP is built first with scripts/build_deepep.sh
+#              from $DEEPEP_SRC (a v1.2.1 checkout) where `import deep_ep` fails
+#   deepep2    two GPUs, no vLLM: benchmarks/deepep_two_gpu.py (P's normal mode beside D's low
+#              latency under the turnstile, 5 x 512 rounds with 0-20 ms skew against exact references;
+#              D's time with P active vs alone, P's SMs 12/24/all); needs JOB_TIMEOUT_S=590
+#   dp2deepep  DP=2 + EP (vllm serve), bf16, P lane on with phase-owned DeepEP
+#              (--all2all-backend deepep_low_latency) against mode=normal with deepep_low_latency,
+#              then against mode=normal with deepep_high_throughput
 #   tp1bi tp2bi dp2bi   bf16 parity with VLLM_BATCH_INVARIANT=1 (tp1bi also runs TP=1 without it)
 #   floor      benchmarks/physical_floor.py --measure on GPU 0 (gpu preset, gpu-quick trace)
 #   bench1     TP=1 rollout: stock + normal (GPU 0) beside pd + pd_k1 (GPU 1), merged report;
@@ -223,6 +232,30 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
+    deepep1|deepep2|dp2deepep)
+      if ! python3 -c 'import deep_ep' 2>/dev/null; then
+        [[ -n ${DEEPEP_SRC:-} ]] || { echo "== $job: no deep_ep; set DEEPEP_SRC"; continue; }
+        DEEPEP_SRC=$DEEPEP_SRC PYTHON=python3 bash scripts/build_deepep.sh \
+          > /tmp/gpu-logs/build_deepep.log 2>&1 || { echo "== build_deepep failed"; continue; }
+      fi
+      case $job in
+        deepep1) echo "== deepep1: deepep_one_gpu.py"
+                 CUDA_VISIBLE_DEVICES=0 timeout -k 30 $T python3 benchmarks/deepep_one_gpu.py \
+                   --out $OUT/deepep_one_gpu.json > /tmp/gpu-logs/deepep1.log 2>&1
+                 echo "== deepep1: rc=$?" ;;
+        deepep2) echo "== deepep2: deepep_two_gpu.py"
+                 CUDA_VISIBLE_DEVICES=0,1 timeout -k 30 $T python3 benchmarks/deepep_two_gpu.py \
+                   --out $OUT/deepep_two_gpu.json > /tmp/gpu-logs/deepep2.log 2>&1
+                 echo "== deepep2: rc=$?" ;;
+        dp2deepep)
+          for ref in deepep_low_latency deepep_high_throughput; do
+            parity dp2_ep_deepep_vs_normal_${ref#deepep_} 0,1 --model .gpu/tiny --dp 2 \
+              --dtype bfloat16 --additional-config "$LANE" \
+              --ours-flags '--all2all-backend deepep_low_latency' \
+              --reference-additional-config '{"ainfer_pd": {"mode": "normal"}}' \
+              --reference-flags "--all2all-backend $ref"
+          done ;;
+      esac ;;
     dp2) parity dp2_ep_${DT:-bfloat16}${DP2_SUFFIX:-} 0,1 --model ${DP2_MODEL:-.gpu/tiny} --dp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${DP2_FLAGS:-} ;;
     tp1bi)  # compiled P, bf16: with vLLM's batch-invariant kernels (GPU 0) and without (GPU 1)
@@ -313,6 +346,6 @@ python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch._
 tar -C /tmp/gpu-logs -czf $OUT/logs.tar.gz . 2>/dev/null
 for f in /tmp/gpu-logs/*.log; do
   echo "---- $(basename $f): last lines"
-  grep -E "Error|error|Traceback|parity:|rank [0-9]+:|vllm_ainfer_pd_|P lane rank|\[rollout\]" $f | tail -12
+  grep -E "Error|error|Traceback|parity:|rank [0-9]+:|vllm_ainfer_pd_|P lane rank|\[rollout\]|\[(one|two)-gpu\]|phase-owned" $f | tail -12
 done
 for f in $OUT/*/report.md; do echo "---- $f"; sed -n '/^| metric/,/^$/p' $f; done

@@ -24,7 +24,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_ainfer_pd.deepep.buffers import DeepEPSizes, PhaseBuffers, import_deep_ep
+from vllm_ainfer_pd.deepep.buffers import (
+    DeepEPSizes,
+    PhaseBuffers,
+    check_installed,
+    import_deep_ep,
+)
 from vllm_ainfer_pd.deepep.phase_groups import PhaseGroups
 from vllm_ainfer_pd.vllm_glue import moe_phase
 
@@ -37,6 +42,29 @@ DEEPEP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
 def needs_phase_ep(parallel_config) -> bool:
     """Whether P's MoE runs vLLM's all-to-all across DP ranks (then P needs its own state)."""
     return parallel_config.enable_expert_parallel and parallel_config.data_parallel_size > 1
+
+
+def select_backend(parallel_config) -> None:
+    """When the backend is selected with the lane on (before vLLM decides on CUDA graphs and
+    builds anything): accept the all-to-all backends that have phase-owned state, refuse the
+    others by name. Both DeepEP names select the pair, so D runs vLLM's low-latency backend (vLLM
+    would turn CUDA graphs off for the high-throughput one); `deep_ep` must be installed."""
+    from vllm_ainfer_pd.config import ConfigError
+
+    if not needs_phase_ep(parallel_config):
+        return
+    backend = parallel_config.all2all_backend
+    if backend in STATELESS_BACKENDS:
+        return
+    if backend in DEEPEP_BACKENDS:
+        check_installed()
+        parallel_config.all2all_backend = "deepep_low_latency"
+        return
+    raise ConfigError(
+        f"ainfer_pd mode='pd' with expert parallelism over {parallel_config.data_parallel_size} "
+        f"DP ranks runs P's MoE dispatch beside D's, and all2all_backend={backend!r} keeps "
+        f"buffers both would share; use --all2all-backend allgather_reducescatter, "
+        f"deepep_low_latency (phase-owned DeepEP) or mode='normal'")
 
 
 class PhaseEP:
