@@ -493,12 +493,16 @@ def refit(args: argparse.Namespace) -> Path:
     raw["lane"].update(lane, contention=CONTENTION, async_hide=ASYNC_HIDE)
     raw["source"] += (f"; lane constants and request cost from {folder.relative_to(ROOT)}")
     if args.device_rate_from:
-        rate = load_profile(args.device_rate_from).costs.s_per_byte
+        device = load_profile(args.device_rate_from)
+        rate = device.costs.s_per_byte
+        # The same machine: its collectives' fitted latency too.
+        raw["hardware"]["collective_latency_us"] = device.hardware["collective_latency_us"]
         routed, fixed = fit_routing(prof.shape, prof.points, rate, prof.capture)
         raw["shape"] = routed.to_dict()
         raw["fit"] = {k: v for k, v in fixed.to_dict().items() if not k.startswith("eff_")}
-        raw["source"] += (f"; memory rate held at {args.device_rate_from}'s, routing spread "
-                          f"fitted: {routed.routing_experts or routed.experts} experts")
+        raw["source"] += (f"; memory rate and collective latency held at "
+                          f"{args.device_rate_from}'s, routing spread fitted: "
+                          f"{routed.routing_experts or routed.experts} experts")
     if args.frontend_from:
         a = frontend_overhead(Profile.from_dict(raw), Path(args.frontend_from).resolve())
         raw["engine"]["client_overhead_s"] = round(a, 6)
