@@ -1,8 +1,9 @@
 """Hang safety: a rank that stalls makes its peers fail within the configured timeout, with an error
 that names the late rank and where it last stood, and the client gets an error instead of a hang.
 
-The stall is injected with `VLLM_AINFER_PD_TEST_STALL="<rank>:<round>"` (p_lane.STALL_ENV): TP=2,
-the P lane on, rank 1 sleeps just before its pre-D rendezvous of round 3 (inside a P epoch).
+The stall is injected through the lane's fault hooks (`ainfer_pd_testing.faults`, installed in
+both workers by `collective_rpc` once the engine is up): TP=2, the P lane on, rank 1 sleeps just
+before its pre-D rendezvous of round 3 (inside a P epoch).
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ SCENARIO = textwrap.dedent(
         # K=1: the epoch spans round 3 whatever the load (the stall is checked inside epochs).
         lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "fixed",
                               "timeout_s": %(timeout)s}}
-        with offline_llm(sys.argv[1], 2, backend="ainfer_pd", additional_config=lane) as llm:
+        with offline_llm(sys.argv[1], 2, backend="ainfer_pd", additional_config=lane,
+                         worker_extension_cls="ainfer_pd_testing.faults.FaultInjection") as llm:
             print("ENGINE UP", flush=True)
+            installed = llm.llm.collective_rpc("inject_p_faults", kwargs={"stall": "1:3"})
+            print(f"FAULTS INSTALLED {installed}", flush=True)
             start = time.monotonic()
             try:
                 llm.generate(parity_waves(512)[0], 16)
@@ -47,14 +51,13 @@ SCENARIO = textwrap.dedent(
 def test_a_stalled_rank_fails_its_peer_with_an_error_naming_it(tiny_model, tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(SCENARIO)
-    env = {**__import__("os").environ, "VLLM_AINFER_PD_TEST_STALL": "1:3"}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), tiny_model], env=env, text=True,
+    proc = subprocess.run([sys.executable, str(script), tiny_model], text=True, check=False,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=480)
     elapsed = time.monotonic() - start
     out = proc.stdout
     tail = "\n".join(out.splitlines()[-60:])
-    assert "ENGINE UP" in out, tail
+    assert "ENGINE UP" in out and "FAULTS INSTALLED [{'rank': 0}, {'rank': 1}]" in out, tail
     assert "CLIENT GOT OUTPUTS" not in out, tail
     assert "CLIENT ERROR after" in out, tail
     waited = float(out.split("CLIENT ERROR after ")[1].split(" s")[0])

@@ -17,11 +17,11 @@ import time
 
 import pytest
 
+from ainfer_pd_testing import faults
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text, scrape
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.rollout.server import VllmServer
-from vllm_ainfer_pd.worker.p_lane import FAIL_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 
@@ -276,8 +276,9 @@ def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 60.0)
 @pytest.mark.parametrize("fail", ["0", "0@1"], ids=["every-rank", "rank1-alone"])
 def test_serve_dp2_a_failed_p_epoch_recomputes_inline_and_the_lane_goes_on(stock, server,
                                                                           tiny_model, fail):
-    """P fails in epoch 0 (fault injection): on every DP rank (at boundary 1, before any P
-    collective), or on rank 1 alone while it prepares its batch, where rank 0's P runs its MoE
+    """P fails in epoch 0 (the lane's fault hooks, installed on every rank over the dev-mode
+    `/collective_rpc` endpoint before the first request): on every DP rank (at boundary 1, before
+    any P collective), or on rank 1 alone while it prepares its batch, where rank 0's P runs its MoE
     collectives anyway and rank 1 must match them with dummy tokens (without that, rank 0 waits in
     them for ever and the engine ends at the rendezvous timeout). The failed jobs recompute inline
     with stock's tokens, and both ranks go on running epochs (the failed epoch is closed once, not
@@ -286,8 +287,10 @@ def test_serve_dp2_a_failed_p_epoch_recomputes_inline_and_the_lane_goes_on(stock
     lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}}
     srv = server(tiny_model, ["--distributed-executor-backend", "ainfer_pd",
                               "--additional-config", json.dumps(lane),
-                              "--data-parallel-size", "2", "--enable-expert-parallel"], 2,
-                 f"ours-dp2-ep-fail-{fail}", env={FAIL_ENV: fail})
+                              "--data-parallel-size", "2", "--enable-expert-parallel",
+                              "--worker-extension-cls", faults.EXTENSION], 2,
+                 f"ours-dp2-ep-fail-{fail}", env=faults.SERVER_ENV)
+    assert faults.inject_over_http(srv.url, fail_epoch=fail) == [{"rank": 0}]
     ours_out = run_waves(ServerRunner(srv.url, tiny_model), WAVES, MAX_TOKENS)
     report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)
     print(report)

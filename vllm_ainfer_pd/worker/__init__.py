@@ -73,18 +73,16 @@ class AInferPDWorker(_platform_worker_cls()):
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)  # builds the KV cache and the connector
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        from vllm.distributed.parallel_state import get_world_group
 
         from vllm_ainfer_pd.connector import AInferPDConnector
+        from vllm_ainfer_pd.worker.p_lane import PLane
 
         if not has_kv_transfer_group():
             return
         connector = get_kv_transfer_group()
         if not isinstance(connector, AInferPDConnector):
             return
-        from vllm_ainfer_pd.worker.p_lane import PLane
-
-        from vllm.distributed.parallel_state import get_world_group
-
         config = connector.config
         self._dp_size = self.vllm_config.parallel_config.data_parallel_size
         # The world rank (unique across DP replicas; `self.rank` restarts at 0 in each replica).

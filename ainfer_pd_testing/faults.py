@@ -1,0 +1,78 @@
+"""Fault injection into the P lane of a running engine, for the hang-safety and failure tests.
+
+A worker extension: `LLM(..., worker_extension_cls="ainfer_pd_testing.faults.FaultInjection")` or
+`vllm serve ... --worker-extension-cls ainfer_pd_testing.faults.FaultInjection`, then once the
+engine is up and before the first P epoch, on every rank:
+`llm.collective_rpc("inject_p_faults", kwargs={"stall": "1:3"})`, or `POST /collective_rpc` with
+`{"method": "inject_p_faults", "kwargs": {"fail_epoch": "0@1"}}` (vLLM serves that endpoint with
+`VLLM_SERVER_DEV_MODE=1`; with DP it reaches every engine). Faults (world ranks, epochs and
+rendezvous rounds counted from the lane's start):
+- `stall="<rank>:<round>"`: that rank sleeps for 4 x `timeout_s` (long enough for its peers to
+  give up) just before its pre-D rendezvous of that round, as a hung rank would;
+- `fail_epoch="<epoch>"`: P raises at boundary 1 of that epoch on every rank (a deterministic P
+  failure, like an out-of-memory at one batch shape: before layer 0's attention, so no rank has
+  begun a collective its peers would wait in);
+- `fail_epoch="<epoch>@<rank>"`: only that rank's P fails, while it prepares its batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+
+from vllm_ainfer_pd.worker.faults import FaultHooks
+
+logger = logging.getLogger(__name__)
+EXTENSION = "ainfer_pd_testing.faults.FaultInjection"
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # `vllm serve` then serves /collective_rpc
+
+
+class ScriptedFaults(FaultHooks):
+    """The faults `inject_p_faults` describes, for one rank's lane."""
+
+    def __init__(self, stall: str = "", fail_epoch: str = "") -> None:
+        stall_rank, _, stall_round = stall.partition(":")
+        self.stall = (int(stall_rank), int(stall_round)) if stall else None
+        epoch, _, rank = fail_epoch.partition("@")
+        self.fail_epoch = int(epoch) if fail_epoch else None
+        self.fail_rank = int(rank) if rank else None  # None: every rank, at boundary 1
+
+    def before_pre_d(self, rank: int, round: int, timeout_s: float) -> None:
+        if self.stall == (rank, round):
+            logger.warning("injected stall: rank %d stalls before round %d", rank, round)
+            time.sleep(4 * timeout_s)
+
+    def at_boundary(self, rank: int, epoch: int, boundary: int) -> None:
+        if boundary == 1 and epoch == self.fail_epoch and self.fail_rank is None:
+            raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank}")
+
+    def preparing_batch(self, rank: int, epoch: int) -> None:
+        if epoch == self.fail_epoch and rank == self.fail_rank:
+            raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} while it "
+                               f"prepares its batch")
+
+
+class FaultInjection:
+    """Mixed into the engine's worker class by vLLM (`worker_extension_cls`)."""
+
+    def inject_p_faults(self, stall: str = "", fail_epoch: str = "") -> dict | None:
+        """Install the faults in this rank's lane; returns {"rank": its world rank}, or None
+        where the engine runs no lane (a dict, as `/collective_rpc` returns it unchanged)."""
+        lane = self.p_lane  # `self` is the AInferPDWorker this class is mixed into
+        if lane is None:
+            return None
+        lane.install_faults(ScriptedFaults(stall, fail_epoch))
+        return {"rank": lane.rank}
+
+
+def inject_over_http(url: str, stall: str = "", fail_epoch: str = "") -> list:
+    """`inject_p_faults` on every rank of a `vllm serve` started with `EXTENSION` and
+    `SERVER_ENV`; returns what the first engine's ranks answered (vLLM returns one engine's)."""
+    body = json.dumps({"method": "inject_p_faults",
+                       "kwargs": {"stall": stall, "fail_epoch": fail_epoch}}).encode()
+    request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["results"]
