@@ -2,8 +2,9 @@
 and a result, and its makespan, p99 TTFT and TPOT p50 are set against the measured medians.
 
 Each row of `RUNS` names one server of one comparison call (its `report.json`), the engine it ran
-as the model sees it (the lane's settings of the time: `max_p_inflight` was 4 until the seventh
-GPU call of 2026-12-01, 16 since), the profile of its device and model, its layout and client
+as the model sees it (the lane's settings of the time: `max_p_inflight` was 4 until the change of
+its default on 2026-12-01, after the `w01f`-`w01h` calls, and 16 since), the profile of its
+device and model, its layout and client
 wait scale. Nothing here is fitted per run.
 """
 
@@ -27,7 +28,7 @@ TARGET = 0.10
 PROFILES = {"gpu": "profile_gpu.json", "gpu-mla": "profile_gpu_mla.json",
             "cpu": "profile_cpu_tiny.json"}
 
-OLD = (("max_p_inflight", 4),)  # the lane's default before 2026-12-01's seventh GPU call
+OLD = (("max_p_inflight", 4),)  # the lane's default before its 2026-12-01 change
 LANE64 = (("p_lane_min_tokens", 64),)
 
 
@@ -63,7 +64,7 @@ RUNS: tuple[Run, ...] = (
         **_pd(*OLD, ("ordering", "global-enqueue"), group="variant")),
     Run("gpu/rollout_tp1_concurrent/bench1c", "pd_gcomp", profile="gpu",
         **_pd(*OLD, ("ordering", "global-complete"), group="variant")),
-    # the first GPU call (P ran eagerly then; its pd is left out, see docs/scale-model.md)
+    # the earliest GPU rollout (P ran eagerly then; its pd is left out, see docs/scale-model.md)
     Run("gpu/rollout_tp1/run1_stock_normal_pd_failedP", "stock", profile="gpu", **_STOCK),
     Run("gpu/rollout_tp1/run1_stock_normal_pd_failedP", "normal", profile="gpu",
         engine=EngineSpec("normal", async_scheduling=False),
@@ -137,7 +138,7 @@ RUNS: tuple[Run, ...] = (
 
 EXCLUDED = (
     ("gpu/rollout_tp1/run1_stock_normal_pd_failedP pd, gpu/rollout_tp1/run2_pd pd",
-     ("the first GPU call's lane ran P eagerly, op by op, and in run1 every P epoch failed and "
+     ("the earliest GPU rollout's lane ran P eagerly, op by op, and in run1 every P epoch failed and "
       "recomputed inline: an implementation the model does not describe")),
     ("gpu/rollout_dp2_ep/bench2dp_b_failed pd, pd_genq",
      "no request completed (the DP metadata bug fixed since)"),
