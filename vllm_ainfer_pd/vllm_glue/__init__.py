@@ -9,10 +9,11 @@ stops with one line naming the symbol and the difference, instead of failing ins
 
 | module | area |
 |---|---|
-| `executor_class.py` | `Executor.get_class`: the backend's short name |
+| `executor_class.py` | `Executor.get_class` (the backend's short name), the executor's overrides |
 | `kv_connector.py` | the KV-connector factory, base class and metrics the lane's connector uses |
 | `engine_config.py` | the engine-config fields the executor reads and sets |
 | `scheduler.py` | vLLM's scheduler internals the planner overrides or reads |
+| `worker_round.py` | the platform worker's methods the worker overrides to place the round |
 | `model_runner.py` | D's model runner, read to build P's batch and attention metadata |
 | `forward_context.py` | the forward context and workspace manager, per thread |
 | `attention.py` | P's boundaries at each layer's attention call |
@@ -57,9 +58,10 @@ def all_patches() -> list[Patch]:
         moe_phase,
         scheduler,
         streams,
+        worker_round,
     )
 
-    modules = (executor_class, kv_connector, engine_config, scheduler, model_runner,
+    modules = (executor_class, kv_connector, engine_config, scheduler, worker_round, model_runner,
                forward_context, attention, collectives, dp_sync, streams, cpu_compat, moe_phase)
     return [patch for module in modules for patch in module.PATCHES]
 

@@ -16,6 +16,12 @@ PATCHES = [
     Patch("vllm.v1.executor.abstract:Executor.get_class", "`--distributed-executor-backend "
           "ainfer_pd` (a name without dots) resolves to AInferPDExecutor, validated and with the "
           "P lane configured", ("vllm_config",), does="wraps"),
+    Patch("vllm.v1.executor.multiproc_executor:MultiprocExecutor._init_executor",
+          "AInferPDExecutor chooses its worker and scheduler classes there, before EngineCore "
+          "builds the scheduler and the workers start", ("self",), does="overrides"),
+    Patch("vllm.v1.executor.abstract:Executor.supports_pp", "vLLM refuses pipeline "
+          "parallelism for an executor that does not support it (ours sets it False)",
+          does="sets"),
 ]
 
 
