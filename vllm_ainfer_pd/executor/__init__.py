@@ -67,6 +67,13 @@ class AInferPDExecutor(MultiprocExecutor):
             # own thread and batch, would apply it to the wrong tokens.
             raise ConfigError("ainfer_pd mode='pd' does not run LoRA adapters (--enable-lora): "
                               "the P lane's forward has no adapter mapping; use mode='normal'")
+        if config.p_lane_enabled and vllm_config.model_config.enable_return_routed_experts:
+            # vLLM 0.26 refuses routed-expert capture beside any KV connector (VllmConfig checks
+            # it again in EngineCore, after the model is loaded); the lane runs in that slot.
+            raise ConfigError("ainfer_pd mode='pd' cannot return routed experts "
+                              "(--enable-return-routed-experts): vLLM 0.26 refuses them beside a "
+                              "KV connector, and the P lane runs in vLLM's KV-connector slot; "
+                              "use mode='normal'")
         if config.p_lane_enabled:
             check_lane_parallelism(parallel)
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls

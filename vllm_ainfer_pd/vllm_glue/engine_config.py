@@ -22,6 +22,8 @@ PATCHES = [
           uses=("worker_cls", "pipeline_parallel_size", "data_parallel_size",
                 "data_parallel_rank", "enable_expert_parallel", "all2all_backend", "enable_eplb",
                 "decode_context_parallel_size", "prefill_context_parallel_size"), does="sets"),
+    Patch("vllm.config:ModelConfig", "routed-expert capture (refused beside the lane's KV "
+          "connector by vLLM itself) is refused at validation", uses=("enable_return_routed_experts",)),
     Patch("vllm.config:KVTransferConfig", "the lane's connector settings",
           uses=("kv_connector", "kv_role", "kv_load_failure_policy",
                 "kv_connector_extra_config"), does="builds"),
