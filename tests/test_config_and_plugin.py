@@ -150,10 +150,11 @@ def test_lora_is_refused_with_the_lane_and_allowed_without(vllm_config):
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"enable_expert_parallel": True, "data_parallel_size": 2,
-      "all2all_backend": "deepep_low_latency"},
+      "all2all_backend": "mori_low_latency"},
      r"with expert parallelism over 2 DP ranks runs P's MoE dispatch beside D's, and "
-     r"all2all_backend='deepep_low_latency' keeps buffers both would share; use "
-     r"--all2all-backend allgather_reducescatter or mode='normal'"),
+     r"all2all_backend='mori_low_latency' keeps buffers both would share; use "
+     r"--all2all-backend allgather_reducescatter, deepep_low_latency \(phase-owned DeepEP\) or "
+     r"mode='normal'"),
     ({"enable_eplb": True}, r"does not run expert load balancing \(--enable-eplb\)"),
     ({"decode_context_parallel_size": 2},
      r"does not run context parallelism \(decode_context_parallel_size=2\)"),

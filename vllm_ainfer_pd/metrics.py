@@ -50,6 +50,11 @@ COUNTERS = {
     "jobs_failed": ("vllm_ainfer_pd_p_jobs_failed", "P jobs that failed (recomputed inline)."),
     "p_collectives_routed": ("vllm_ainfer_pd_p_collectives_routed", "P collectives issued on "
                              "D's stream (the selective stream route)."),
+    "p_collectives_own": ("vllm_ainfer_pd_p_collectives_own", "P calls on P's own "
+                          "expert-parallel state: collectives on P's own communicators, DeepEP "
+                          "normal-mode dispatches (docs/deepep.md)."),
+    "phase_ep_rebuilds": ("vllm_ainfer_pd_phase_ep_rebuilds", "Rebuilds of P's own "
+                          "expert-parallel state after a failed epoch that used it."),
     "p_device_s": ("vllm_ainfer_pd_p_device_seconds", "Device time of P's segments "
                    "(overlap_timing only)."),
     "p_overlap_s": ("vllm_ainfer_pd_p_overlap_seconds", "Part of P's device time during which "

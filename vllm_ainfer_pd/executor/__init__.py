@@ -23,10 +23,6 @@ PLATFORM_WORKERS = (
     "vllm.v1.worker.cpu_worker.CPUWorker",
     "vllm.v1.worker.gpu_worker.Worker",
 )
-# vLLM's all-to-all backends that keep no state between calls: all-gather, then reduce-scatter,
-# on the EP group. Every other backend (DeepEP, MoRI, NIXL EP, FlashInfer's) owns buffers,
-# counters or handles that P's dispatch beside D's would share.
-STATELESS_ALL2ALL = ("allgather_reducescatter", "naive")
 
 
 class AInferPDExecutor(MultiprocExecutor):
@@ -99,10 +95,10 @@ def check_lane_parallelism(parallel) -> None:
     """The layouts the P lane cannot run, named. Context parallelism splits each request's KV over
     ranks, which the lane's own attention metadata (`worker/p_batch.py`) does not describe. With
     expert parallelism across DP ranks (vLLM's all-to-all kernels), P's dispatch runs beside D's,
-    so only a stateless all-to-all backend keeps the phases apart: phase-owned DeepEP buffers
-    (P on the high-throughput path, D on the low-latency one) are not built yet. Expert load
-    balancing moves expert weights after a D step, while a P epoch may be parked between layers
-    with kernels still queued on its stream."""
+    so each phase needs its own all-to-all state (docs/deepep.md): the stateless backend and
+    DeepEP have it, every other backend is refused by name (`deepep.manager.select_backend`).
+    Expert load balancing moves expert weights after a D step, while a P epoch may be parked
+    between layers with kernels still queued on its stream."""
     if parallel.enable_eplb:
         raise ConfigError("ainfer_pd mode='pd' does not run expert load balancing "
                           "(--enable-eplb): it moves expert weights under a parked P epoch; "
@@ -111,14 +107,9 @@ def check_lane_parallelism(parallel) -> None:
         if (size := getattr(parallel, name)) != 1:
             raise ConfigError(f"ainfer_pd mode='pd' does not run context parallelism "
                               f"({name}={size}); use mode='normal'")
-    backend = parallel.all2all_backend
-    if (parallel.enable_expert_parallel and parallel.data_parallel_size > 1
-            and backend not in STATELESS_ALL2ALL):
-        raise ConfigError(
-            f"ainfer_pd mode='pd' with expert parallelism over {parallel.data_parallel_size} DP "
-            f"ranks runs P's MoE dispatch beside D's, and all2all_backend={backend!r} keeps "
-            f"buffers both would share; use --all2all-backend allgather_reducescatter or "
-            f"mode='normal'")
+    from vllm_ainfer_pd.deepep.manager import select_backend
+
+    select_backend(parallel)
 
 
 def configure_p_lane(vllm_config, config: AInferPDConfig) -> None:

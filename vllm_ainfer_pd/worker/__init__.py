@@ -37,6 +37,7 @@ def _platform_worker_cls() -> type:
 
 class AInferPDWorker(_platform_worker_cls()):
     p_lane = None
+    phase_ep = None  # P's own expert-parallel state (deepep.manager.PhaseEP), at DP > 1 with EP
     # (load, D tokens) of a round whose forward ran in `execute_model` and whose sampling and
     # drafting run in the `sample_tokens` call that follows.
     _open_round = None
@@ -53,6 +54,7 @@ class AInferPDWorker(_platform_worker_cls()):
             "p_workspace_bytes": lane.workspace_bytes() if lane is not None else None,
             # GPU: CUDA priorities of D's (vLLM's compute) stream and P's; lower is higher.
             "stream_priorities": lane.stream_priorities() if lane is not None else None,
+            "phase_ep": self.phase_ep.status() if self.phase_ep is not None else None,
         }
 
     def init_device(self) -> None:
@@ -69,6 +71,19 @@ class AInferPDWorker(_platform_worker_cls()):
             from vllm_ainfer_pd.vllm_glue import streams
 
             streams.raise_compute_stream_priority()
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights=load_dummy_weights)
+        # P's own expert-parallel state, after vLLM built its groups and kernels (and, for DeepEP,
+        # D's low-latency buffer) and before vLLM measures memory and captures D's CUDA graphs.
+        # Collective: every rank of the job loads its model at the same point.
+        from vllm_ainfer_pd.deepep.manager import PhaseEP, needs_phase_ep
+        from vllm_ainfer_pd.worker import phase_state
+
+        config = AInferPDConfig.from_vllm_config(self.vllm_config)
+        if config.p_lane_enabled and needs_phase_ep(self.vllm_config.parallel_config):
+            self.phase_ep = PhaseEP.build(self.vllm_config, self.model_runner.get_model(),
+                                          config.p_deepep_sms, phase_state._P)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)  # builds the KV cache and the connector
@@ -88,7 +103,7 @@ class AInferPDWorker(_platform_worker_cls()):
         # The world rank (unique across DP replicas; `self.rank` restarts at 0 in each replica).
         rank = get_world_group().rank
         self.p_lane = PLane(self.model_runner, config, rank, self._rendezvous(config),
-                            dp_size=self._dp_size)
+                            dp_size=self._dp_size, phase_ep=self.phase_ep)
         connector.lane = self.p_lane
         self._max_num_seqs = self.vllm_config.scheduler_config.max_num_seqs
         self._last_summary = time.monotonic()
@@ -168,4 +183,6 @@ class AInferPDWorker(_platform_worker_cls()):
         if lane is not None:
             logger.info("%s", lane.summary())
             lane.close()
+        if self.phase_ep is not None:
+            self.phase_ep.close()
         super().shutdown()

@@ -27,6 +27,11 @@ class LaneStats:
     rendezvous_s: float = 0.0
     rendezvous_phases: int = 0  # pre-D and post-D phases this rank met its peers in
     p_collectives_routed: int = 0  # P collectives issued on D's stream (CPU: counted only)
+    # P's calls on its own expert-parallel state (docs/deepep.md): collectives on P's own
+    # communicators (also counted as routed where they cross a D group), DeepEP normal-mode
+    # dispatches. Updated when an epoch ends.
+    p_collectives_own: int = 0
+    phase_ep_rebuilds: int = 0  # P's own state rebuilt after a failed epoch that used it
     # With `overlap_timing` on GPU: P's device time and the part of it D overlapped (overlap.py).
     p_device_s: float = 0.0
     p_overlap_s: float = 0.0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,11 +46,17 @@ from vllm_ainfer_pd.worker.lane_stats import LaneStats
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
 from vllm_ainfer_pd.worker.p_thread import PThread
 
+if TYPE_CHECKING:
+    from vllm_ainfer_pd.deepep.manager import PhaseEP
+
 logger = logging.getLogger(__name__)
 # While a P epoch is open with `p_host="concurrent"`, the interpreter switches threads at least
 # this often (seconds; Python's default is 5 ms): the main thread, woken by D's GPU work, should
 # not wait a whole default interval for the P thread to yield the GIL.
 P_SWITCH_INTERVAL_S = 0.0005
+# In the post-D payload's first word (a rank's next-epoch tokens, far below it): this rank's P
+# expert-parallel state is retired, so every rank rebuilds it in this round (docs/deepep.md).
+RETIRED_BIT = 1 << 40
 
 
 def load_spans(num_boundaries: int) -> tuple[int, ...]:
@@ -70,6 +76,7 @@ class PLane(LaneRound):
         rank: int,
         rendezvous: Rendezvous | None = None,
         dp_size: int = 1,
+        phase_ep: PhaseEP | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -82,6 +89,10 @@ class PLane(LaneRound):
         self.controller = SegmentController(rank=rank, span=config.segment_span,
                                             timeout_s=config.timeout_s)
         self.p_thread = PThread(runner, self.controller, self.stats, rank, self.overlap)
+        # P's own expert-parallel state (docs/deepep.md): its collectives stay on P's stream; a
+        # failed epoch that used it has every rank rebuild it before the next epoch.
+        self.phase_ep = self.p_thread.phase_ep = phase_ep
+        self.vllm_config = runner.vllm_config
         self.num_boundaries = self.p_thread.num_boundaries
         self.turnstile = Turnstile(
             self.controller,
@@ -194,7 +205,10 @@ class PLane(LaneRound):
                 self._met(self.turnstile.pre_d().rendezvous_s)
             load = self._post_d_synced(load or Load())
             if self.epochs.current is None:
-                counts = [p[0] for p in self.turnstile.rendezvous.payloads]
+                payloads = self.turnstile.rendezvous.payloads
+                if self.phase_ep is not None and any(p[0] & RETIRED_BIT for p in payloads):
+                    self._rebuild_phase_ep()  # on every rank, at this same point
+                counts = [p[0] & ~RETIRED_BIT for p in payloads]
                 if not any(counts):
                     return
                 self._open_epoch(load, counts[:: self.ranks_per_dp])
@@ -219,6 +233,8 @@ class PLane(LaneRound):
         # The tokens this rank's next epoch takes become its entry in P's DP metadata, which
         # vLLM checks against P's batch.
         next_epoch = self.epochs.next_epoch_tokens()
+        if self.phase_ep is not None and self.phase_ep.retired:
+            next_epoch |= RETIRED_BIT  # the payload holds four ints: the flag rides in the first
         payload = (next_epoch, *(round(x * 1e6) for x in
                                  (load.d_occupancy, load.p_pressure, load.epoch_size)))
         shared: list[Load] = []
@@ -252,8 +268,23 @@ class PLane(LaneRound):
             epoch = self.epochs.current
             self._end_epoch(failed=epoch.error if epoch else None)
 
+    def _rebuild_phase_ep(self) -> None:
+        """Rebuild P's expert-parallel state (collective over the world: every rank calls it in
+        the same opening round), after P's device work drained: no epoch is open, and a GPU
+        communicator or DeepEP buffer must not be destroyed under a running kernel."""
+        from vllm.config import set_current_vllm_config
+
+        drain = torch.cuda.synchronize if self.p_thread.p_stream is not None else None
+        with set_current_vllm_config(self.vllm_config):
+            self.phase_ep.rebuild(drain)
+        self.stats.phase_ep_rebuilds += 1
+        logger.info("P lane rank %d: P's expert-parallel state rebuilt (%s)", self.rank,
+                    self.phase_ep.kind)
+
     def _open_epoch(self, load: Load | None, dp_counts: list[int] | None = None) -> None:
         epoch = self.epochs.open(dp_counts)
+        if self.phase_ep is not None:
+            self.phase_ep.open_epoch()
         self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
         if not self.handoff:
             sys.setswitchinterval(P_SWITCH_INTERVAL_S)
@@ -264,6 +295,9 @@ class PLane(LaneRound):
         epoch.thread.join(timeout=self.config.timeout_s)
         self.controller.close()
         sys.setswitchinterval(self._switch_interval)
+        if self.phase_ep is not None:
+            self.phase_ep.close_epoch(failed=failed is not None)
+            self.stats.p_collectives_own = self.phase_ep.own_collectives
         if failed is not None:
             logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, failed)
             self.epochs.fail(epoch)

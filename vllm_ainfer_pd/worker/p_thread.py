@@ -15,7 +15,7 @@ import functools
 import threading
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import CUDAGraphMode
@@ -32,6 +32,9 @@ from vllm_ainfer_pd.worker.lane_stats import LaneStats
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
 from vllm_ainfer_pd.worker.p_batch import PBatch, PBatchBuilder
 
+if TYPE_CHECKING:
+    from vllm_ainfer_pd.deepep.manager import PhaseEP
+
 
 class PThread:
     """Runs epochs' forwards for one rank's lane; one epoch at a time, each on a new thread."""
@@ -47,6 +50,7 @@ class PThread:
         self.dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         self.overlap = overlap
         self.faults: FaultHooks | None = None
+        self.phase_ep: PhaseEP | None = None  # P's own expert-parallel state (set by the lane)
         # Each attention call is a P boundary.
         self.num_boundaries = attention.install_boundaries(self.model, self.vllm_config,
                                                            log_drafter=rank == 0)
@@ -199,11 +203,20 @@ class PThread:
 
     def issue_collective(self, group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
         """A P collective (called on the P thread by vllm_glue/collectives.py's wrappers).
-        P shares vLLM's communicators with D, and their device state (NCCL's per-communicator
-        order, custom all-reduce's signal flags) does not survive use from two streams at once, so
-        it runs on D's stream, after the D iteration the turnstile released this segment behind."""
+        On vLLM's communicators, shared with D, it runs on D's stream, after the D iteration the
+        turnstile released this segment behind: their device state (NCCL's per-communicator
+        order, custom all-reduce's signal flags) does not survive use from two streams at once.
+        On P's own communicators (`phase_ep`, docs/deepep.md) it stays on P's stream, unless its
+        group crosses one of D's (then only D's stream orders it against D's kernels)."""
         name = group.unique_name
-        if not self.route.is_crossed(name):
+        own = self.phase_ep is not None and self.phase_ep.owns(group)
+        if own:
+            self.phase_ep.note_collective()
+            if not self.phase_ep.crossed(group):
+                return collective(group, *args, **kwargs)
+            if not self.route.is_crossed(name):
+                self.route.register(name, group.ranks, self.phase_ep.groups.d_groups)
+        elif not self.route.is_crossed(name):
             self.route.register(name, group.ranks, [group.ranks], shared_communicator=True)
         self.stats.p_collectives_routed += 1
         with self.route.route(name):
