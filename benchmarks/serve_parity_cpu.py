@@ -1,6 +1,8 @@
-"""Greedy parity of `vllm serve` layouts on the CPU with the P lane on, against the matched baseline.
+"""Greedy parity of `vllm serve` layouts on the CPU with the P lane on, against the matched
+baseline.
 
-    python benchmarks/serve_parity_cpu.py --tp 2 --dp 2 --out benchmarks/results/cpu/parity_tp2_dp2_ep.json
+    python benchmarks/serve_parity_cpu.py --tp 2 --dp 2 \
+        --out benchmarks/results/cpu/parity_tp2_dp2_ep.json
 
 Serves the parity waves (tests/test_parity_offline.py) with `mode=pd` (lane on for prompts of >= 32
 uncached tokens) and with `mode=normal` in the same layout (`--data-parallel-size N
@@ -24,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int,
                 speculative_config: dict | None = None):
+    from ainfer_pd_testing.metrics import settled_rank_metrics
     from ainfer_pd_testing.parity import ServerRunner, run_waves
-    from vllm_ainfer_pd.rollout.backend_metrics import by_rank, parse, read_metrics_text
+    from vllm_ainfer_pd.rollout.backend_metrics import parse, read_metrics_text
     from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
     from vllm_ainfer_pd.rollout.server import VllmServer
 
@@ -40,9 +43,10 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
     with VllmServer(model, args, cpu_env(tp * dp), name=f"parity-{lane['mode']}") as srv:
         up = time.time() - start
         out = run_waves(ServerRunner(srv.url, model), waves, max_tokens)
+        lanes = settled_rank_metrics(srv.url, model, dp)  # every rank's last epochs reported
         text = read_metrics_text(srv.url)
     spec = {k: v for k, v in parse(text).items() if k.startswith("vllm:spec_decode")}
-    return out, {"startup_s": round(up, 1), "lane_by_rank": by_rank(text),
+    return out, {"startup_s": round(up, 1), "lane_by_rank": lanes,
                  **({"spec_decode": spec} if speculative_config is not None else {})}
 
 
@@ -87,7 +91,8 @@ def main() -> None:
     lanes = result["pd"]["lane_by_rank"]
     segments = {r: v.get("vllm_ainfer_pd_segments_total", 0) for r, v in lanes.items()}
     result["segments_equal_on_all_ranks"] = len(set(segments.values())) == 1
-    result["ok"] = (report.fail == 0 and vs_stock.fail == 0 and result["segments_equal_on_all_ranks"]
+    result["ok"] = (report.fail == 0 and vs_stock.fail == 0
+                    and result["segments_equal_on_all_ranks"]
                     and len(lanes) == args.tp * args.dp and min(segments.values()) > 0)
     print(json.dumps(result, indent=2))
     if args.out:

@@ -18,8 +18,9 @@ import time
 import pytest
 
 from ainfer_pd_testing import faults
+from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
-from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text, scrape
+from vllm_ainfer_pd.rollout.backend_metrics import scrape
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.rollout.server import VllmServer
 
@@ -50,28 +51,6 @@ def assert_lane_ran_beside_d(metrics: dict[str, float]) -> None:
     # P's thread spent part of its host time on a core, never more than all of it.
     enqueue = metrics.get("vllm_ainfer_pd_p_enqueue_seconds_total", 0)
     assert 0 < metrics.get("vllm_ainfer_pd_p_enqueue_cpu_seconds_total", 0) <= enqueue, metrics
-
-
-def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 30.0):
-    """Per-rank lane counters once every DP rank has reported all it did.
-
-    A rank's counters reach `/metrics` with its next real forward (vllm_ainfer_pd.metrics), so
-    what a rank did in dummy steps or after its last forward is not there yet when a run ends.
-    One short inline request per DP rank (routed by vLLM's `X-data-parallel-rank` header; too
-    short for the P lane) gives each rank that forward; then wait for the frontend to record it.
-    """
-    client = ServerRunner(url, model).client()
-    for dp_rank in range(dp_size):
-        client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=2,
-                                  extra_headers={"X-data-parallel-rank": str(dp_rank)})
-    deadline = time.monotonic() + timeout_s
-    previous = None
-    while True:
-        ranks = by_rank(read_metrics_text(url))
-        if ranks == previous or time.monotonic() > deadline:
-            return ranks
-        previous = ranks
-        time.sleep(2.0)
 
 
 @pytest.fixture
