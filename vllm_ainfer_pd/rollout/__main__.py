@@ -1,11 +1,12 @@
 """The `vllm-ainfer-pd-rollout` CLI (`python -m vllm_ainfer_pd.rollout`): generate, stats, replay,
-compare, merge, ttft.
+compare, merge, ttft, project.
 
     generate --preset cpu --seed 0 --out trace.jsonl
     stats    --trace trace.jsonl            (or --preset paper)
     replay   --url http://127.0.0.1:8000 --preset cpu --wait-scale 0.1
     compare  --preset cpu --out rollout-out [--reps 3] [--variant normal='{"ainfer_pd":{...}}']
     ttft     rollout-out/records/pd-0.jsonl [...]   (TTFT by kind of turn, and the last trajectory)
+    project  validate | run | simulate               (the scale model, docs/scale-model.md)
 
 Errors the user can fix (unreachable server, bad trace, bad flag value) print one `error:` line and
 exit with status 2.
