@@ -1,0 +1,239 @@
+"""Phase-owned expert-parallel state in a served DP=2 + EP engine on the CPU (docs/deepep.md).
+
+With the lane on at DP > 1 with expert parallelism, each worker builds P's own EP and DP
+communicators (vLLM's stateless `allgather_reducescatter` backend); P's MoE dispatch and combine
+run on them, on P's stream, not routed onto D's. One `pd` server (P's host work beside D's step,
+`p_host="concurrent"`, so P's collectives run while D's do) is compared with a `mode=normal`
+server in the same layout under the tie rule, and shared by the three tests, in order:
+
+1. parity; per rank, every P collective took P's own path (`p_collectives_own`, none routed);
+   per-rank logs of every collective (thread, collective, group) show P's dispatch and combine on
+   P's groups (`ep:1`, `dp:1`) and D's on vLLM's (`ep:0`, `dp:0`);
+2. a P epoch that fails on every rank after layer 0's dispatch and combine ran on P's groups:
+   both ranks rebuild P's groups once (`ep:2`) before the next epoch, and the next epochs' tokens
+   equal `normal`'s;
+3. an abort storm (clients give up on lane prompts mid-P): nothing left in flight, no KV block
+   held, and later prompts still equal `normal`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+
+from ainfer_pd_testing import phase_ep
+from ainfer_pd_testing.collective_log import read_logs
+from ainfer_pd_testing.parity import (
+    ServerRunner,
+    compare,
+    offline_llm,
+    parity_waves,
+    run_waves,
+)
+from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
+from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
+from vllm_ainfer_pd.rollout.server import VllmServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
+
+MAX_TOKENS = 16
+WAVES = parity_waves(vocab_size=512)[:2]
+LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+LANE = {"p_lane_min_tokens": 32, "p_host": "concurrent"}
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+AFTER_FAILURE = [_prompts(11, (90, 140, 60, 200))]
+AFTER_STORM = [_prompts(12, (120, 70, 180))]
+STORM = _prompts(13, (900, 600) * 6)
+
+
+def _serve(model: str, lane: dict, name: str, extra: list[str] = (), env: dict | None = None):
+    args = serve_args(CPU_ENGINE_ARGS) + LAYOUT + [
+        "--distributed-executor-backend", "ainfer_pd",
+        "--additional-config", json.dumps({"ainfer_pd": lane}), *extra]
+    return VllmServer(model, args, {**cpu_env(2), **(env or {})}, name=name)
+
+
+class _Teacher:
+    """The tie rule's teacher forcing: stock vLLM TP=1 in this process, started only if a
+    comparison needs it (one DP=2 server at a time fits this machine's memory; the parity
+    harness allows a teacher of another layout)."""
+
+    def __init__(self, model: str) -> None:
+        self.model, self._runner, self._context = model, None, None
+
+    def teacher_force(self, seqs):
+        if self._runner is None:
+            self._context = offline_llm(self.model, 1)
+            self._runner = self._context.__enter__()
+        return self._runner.teacher_force(seqs)
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def normal(tiny_model):
+    """`mode=normal` in the same layout: the reference tokens (its server stopped after)."""
+    with _serve(tiny_model, {"mode": "normal"}, "normal-dp2-ep") as srv:
+        runner = ServerRunner(srv.url, tiny_model)
+        outs = {name: run_waves(runner, waves, MAX_TOKENS) for name, waves in
+                (("waves", WAVES), ("after_failure", AFTER_FAILURE), ("after_storm", AFTER_STORM))}
+    teacher = _Teacher(tiny_model)
+    yield teacher, outs
+    teacher.close()
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    srv = _serve(tiny_model, LANE, "pd-dp2-ep-phase-owned", ["--worker-extension-cls",
+                                                             phase_ep.EXTENSION], phase_ep.SERVER_ENV)
+    prefix = str(tmp_path_factory.mktemp("collectives") / "log")
+    try:
+        srv.start()
+        phase_ep.rpc(srv.url, "start_collective_log", prefix=prefix)
+        yield srv, prefix
+    except BaseException:
+        print(srv.log_tail(150))
+        raise
+    finally:
+        srv.stop()
+
+
+def _parity(normal, outs_key: str, ours: list[list[int]], waves) -> None:
+    teacher, outs = normal
+    prompts = [p for w in waves for p in w]
+    report = compare(prompts, outs[outs_key], ours, teacher.teacher_force)
+    print(report)
+    assert report.fail == 0, report
+
+
+def _rank_metrics(srv: VllmServer, model: str) -> list[dict[str, float]]:
+    """Each DP rank's lane counters once both have reported what they did: a rank's counters
+    reach /metrics with its next real forward, which one short inline request per rank gives."""
+    client = ServerRunner(srv.url, model).client()
+    for dp_rank in range(2):
+        client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=2,
+                                  extra_headers={"X-data-parallel-rank": str(dp_rank)})
+    previous, deadline = None, time.monotonic() + 30
+    while True:
+        ranks = by_rank(read_metrics_text(srv.url))
+        if ranks == previous or time.monotonic() > deadline:
+            return list(ranks.values())
+        previous = ranks
+        time.sleep(2.0)
+
+
+def _engine_gauges(srv: VllmServer) -> dict[str, float]:
+    """vLLM's running requests and KV-cache usage, summed over the DP engines."""
+    out = {"vllm:num_requests_running": 0.0, "vllm:kv_cache_usage_perc": 0.0}
+    for line in read_metrics_text(srv.url).splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _count(ranks: list[dict[str, float]], counter: str) -> list[float]:
+    return [r.get(f"vllm_ainfer_pd_{counter}_total", 0) for r in ranks]
+
+
+MOE = ("dispatch_router_logits", "combine", "all_gatherv", "reduce_scatterv")
+
+
+def _moe_groups(logs: list[list[str]], phase: str) -> set[str]:
+    """The groups of a phase's MoE collectives (the EP call and the DP one inside it)."""
+    return {line.split()[2] for log in logs for line in log
+            if line.startswith(phase + " ") and line.split()[1] in MOE}
+
+
+def test_p_moe_collectives_run_on_p_own_communicators_with_normal_s_tokens(normal, pd,
+                                                                          tiny_model):
+    srv, prefix = pd
+    ours = run_waves(ServerRunner(srv.url, tiny_model), WAVES, MAX_TOKENS)
+    _parity(normal, "waves", ours, WAVES)
+    assert "phase-owned expert parallelism (allgather_reducescatter)" in srv.log_text()
+    ranks = _rank_metrics(srv, tiny_model)
+    own, routed = _count(ranks, "p_collectives_own"), _count(ranks, "p_collectives_routed")
+    epochs = _count(ranks, "epochs")
+    print(f"epochs {epochs}, P collectives own {own}, routed {routed}")
+    assert len(ranks) == 2 and epochs[0] == epochs[1] > 0, ranks
+    # Both ranks ran every epoch's MoE collectives on P's own groups; at TP=1 nothing is routed.
+    assert own[0] == own[1] > 0 and routed == [0, 0], ranks
+    logs = read_logs(prefix, 2)
+    assert _moe_groups(logs, "P") == {"ep:1", "dp:1"}, _moe_groups(logs, "P")
+    assert _moe_groups(logs, "D") == {"ep:0", "dp:0"}, _moe_groups(logs, "D")
+
+
+def test_a_p_epoch_failing_after_its_moe_collectives_rebuilds_p_groups_on_both_ranks(
+        normal, pd, tiny_model):
+    srv, prefix = pd
+    before = _rank_metrics(srv, tiny_model)
+    next_epoch = int(_count(before, "epochs")[0])
+    # Boundary 2 is layer 1's attention: layer 0's dispatch and combine ran on P's groups.
+    assert len(phase_ep.rpc(srv.url, "fail_p_epoch", epoch=next_epoch, boundary=2)) == 1
+    ours = run_waves(ServerRunner(srv.url, tiny_model), AFTER_FAILURE, MAX_TOKENS)
+    _parity(normal, "after_failure", ours, AFTER_FAILURE)
+    log = srv.log_text()
+    assert "fails at boundary 2 on rank 0" in log and "fails at boundary 2 on rank 1" in log, \
+        log[-3000:]
+    after = _rank_metrics(srv, tiny_model)
+    assert _count(after, "phase_ep_rebuilds") == [1, 1], after
+    epochs = _count(after, "epochs")
+    assert epochs[0] == epochs[1] > next_epoch + 1, after  # epochs after the failed one
+    assert sum(_count(after, "p_jobs_failed")) >= 1, after
+    # The epochs after the rebuild ran their MoE collectives on the new groups.
+    assert "ep:2" in _moe_groups(read_logs(prefix, 2), "P")
+
+
+def test_an_abort_storm_leaves_nothing_in_flight_and_later_epochs_are_right(normal, pd,
+                                                                            tiny_model):
+    srv, _ = pd
+    client = ServerRunner(srv.url, tiny_model).client()
+    rng = random.Random(0)
+    gave_up = []
+
+    def send(prompt: list[int], patience_s: float) -> None:
+        try:
+            client.with_options(timeout=patience_s, max_retries=0).completions.create(
+                model=tiny_model, prompt=prompt, max_tokens=8)
+        except Exception:  # noqa: BLE001 - a client giving up mid-P is the point
+            gave_up.append(prompt)
+
+    # Most clients give up within 0.2 s (a lane prompt of 600-900 tokens is still in P then, or
+    # waiting for it), a few wait for their tokens.
+    threads = [threading.Thread(target=send, args=(p, rng.choice((0.02, 0.05, 0.1, 0.2, 60.0))))
+               for p in STORM]
+    for t in threads:
+        t.start()
+        time.sleep(rng.uniform(0, 0.2))
+    for t in threads:
+        t.join(300)
+    assert gave_up, "no client gave up: the storm aborted nothing"
+    deadline = time.monotonic() + 120
+    while True:
+        ranks = _rank_metrics(srv, tiny_model)
+        gauges = _engine_gauges(srv)
+        # Nothing in flight in the lane, no request left, no KV block held (prefix-cached blocks
+        # count as free).
+        idle = (all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks)
+                and not any(gauges.values()))
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    assert idle, (ranks, gauges)
+    print(f"storm: {len(gave_up)} of {len(STORM)} clients gave up; P jobs cancelled "
+          f"{_count(ranks, 'p_jobs_cancelled')}, done {_count(ranks, 'p_jobs_done')} per rank")
+    assert sum(_count(ranks, "p_jobs_cancelled")) > 0, ranks
+    ours = run_waves(ServerRunner(srv.url, tiny_model), AFTER_STORM, MAX_TOKENS)
+    _parity(normal, "after_storm", ours, AFTER_STORM)
