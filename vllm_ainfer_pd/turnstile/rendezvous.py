@@ -401,6 +401,27 @@ class ShmRendezvous(Rendezvous):
 # --- torch.distributed gloo -------------------------------------------------------------------
 
 
+def _all_gather_or_raise(rdv: Rendezvous, gathered: list, tensor: Any, group: Any, phase: str,
+                         rnd: int, missing: Any) -> None:
+    """All-gather `tensor` into `gathered` over gloo `group` within `rdv.timeout_s`; on failure
+    raise RendezvousTimeout (or RendezvousError) naming `rdv.rank`, the phase, the round and what
+    `missing()` returns: (missing ranks, detail)."""
+    import torch.distributed as dist
+
+    start = time.monotonic()
+    try:
+        work = dist.all_gather(gathered, tensor, group=group, async_op=True)
+        work.wait(timedelta(seconds=rdv.timeout_s))
+    except RuntimeError as exc:
+        waited = time.monotonic() - start
+        timed_out = "timed out" in str(exc).lower() or waited >= 0.99 * rdv.timeout_s
+        cls = RendezvousTimeout if timed_out else RendezvousError
+        late, detail = missing()
+        raise cls(f"rendezvous {'timed out' if timed_out else 'failed'} after {waited:.3g} s",
+                  rank=rdv.rank, phase=phase, round=rnd, missing=late,
+                  detail=f"{detail}; gloo: {exc}") from exc
+
+
 class GlooRendezvous(Rendezvous):
     """Barrier as one small CPU all-gather on a gloo process group (works across hosts).
 
@@ -422,7 +443,6 @@ class GlooRendezvous(Rendezvous):
         import torch
         import torch.distributed as dist
 
-        self._dist = dist
         self._group = group if group is not None else dist.group.WORLD
         self._ranks = dist.get_process_group_ranks(self._group)
         super().__init__(dist.get_rank(), len(self._ranks), timeout_s)
@@ -435,27 +455,15 @@ class GlooRendezvous(Rendezvous):
         width = 2 + MAX_PAYLOAD
         self._buf = torch.zeros(width, dtype=torch.int64)
         self._gathered = [torch.zeros(width, dtype=torch.int64) for _ in self._ranks]
-        self._timeout = timedelta(seconds=timeout_s)
 
     def _wait_all(self, gen: int, phase: str, rnd: int, payload: Payload) -> list[Payload]:
-        dist = self._dist
         self._store.set(str(self.rank), str(gen))
         self._buf.zero_()
         self._buf[0], self._buf[1] = gen, len(payload)
         for i, value in enumerate(payload):
             self._buf[2 + i] = value
-        start = time.monotonic()
-        try:
-            work = dist.all_gather(self._gathered, self._buf, group=self._group, async_op=True)
-            work.wait(self._timeout)
-        except RuntimeError as exc:
-            waited = time.monotonic() - start
-            timed_out = "timed out" in str(exc).lower() or waited >= 0.99 * self.timeout_s
-            cls = RendezvousTimeout if timed_out else RendezvousError
-            missing, detail = self._late_ranks(gen)
-            raise cls(f"rendezvous {'timed out' if timed_out else 'failed'} after {waited:.3g} s",
-                      rank=self.rank, phase=phase, round=rnd, missing=missing,
-                      detail=f"{detail}; gloo: {exc}") from exc
+        _all_gather_or_raise(self, self._gathered, self._buf, self._group, phase, rnd,
+                             lambda: self._late_ranks(gen))
         gens = [int(t[0]) for t in self._gathered]
         high, low = max(gens), min(gens)
         if high != gen or low != gen:
@@ -537,7 +545,7 @@ class HierarchicalRendezvous(Rendezvous):
             raise ValueError(f"HierarchicalRendezvous needs a group of every rank of the default "
                              f"group ({dist.get_world_size()}), got {len(ranks)} ranks")
         super().__init__(ranks.index(dist.get_rank()), len(ranks), timeout_s)
-        self._dist, self._torch = dist, torch
+        self._torch = torch
         self._hosts = _by_host(hosts)
         self._host = next(h for h, (_, rs) in enumerate(self._hosts) if self.rank in rs)
         self._local = self._hosts[self._host][1]
@@ -548,7 +556,6 @@ class HierarchicalRendezvous(Rendezvous):
             # Private accessor, used because torch offers no public handle on the default store.
             store = dist.distributed_c10d._get_default_store()
         self._store = dist.PrefixStore(f"ainfer_pd/rdv/{name}/", store)
-        self._timeout = timedelta(seconds=timeout_s)
         self._note_after = min(1.0, timeout_s / 10)
         self._next_note, self._noted = 0.0, ""
         # Per leader: [generation, host index, then per rank of the host: length, values].
@@ -610,26 +617,15 @@ class HierarchicalRendezvous(Rendezvous):
 
     def _exchange(self, gen: int, phase: str, rnd: int, local: list[Payload]) -> list[Payload]:
         """All-gather this host's payloads with the other leaders; every rank's, in rank order."""
-        dist, torch = self._dist, self._torch
+        torch = self._torch
         row = [gen, self._host]
         for payload in local:
             row += [len(payload), *payload, *[0] * (MAX_PAYLOAD - len(payload))]
         row += [0] * (self._width - len(row))
-        start = time.monotonic()
-        try:
-            # The host's complete arrival, read only by leaders and ranks that time out.
-            self._store.set(f"arrived/{self._host}", str(gen))
-            work = dist.all_gather(self._gathered, torch.tensor(row, dtype=torch.int64),
-                                   group=self._group, async_op=True)
-            work.wait(self._timeout)
-        except RuntimeError as exc:
-            waited = time.monotonic() - start
-            timed_out = "timed out" in str(exc).lower() or waited >= 0.99 * self.timeout_s
-            cls = RendezvousTimeout if timed_out else RendezvousError
-            missing, detail = self._missing(gen)
-            raise cls(f"rendezvous {'timed out' if timed_out else 'failed'} after {waited:.3g} s",
-                      rank=self.rank, phase=phase, round=rnd, missing=missing,
-                      detail=f"{detail}; gloo: {exc}") from exc
+        # The host's complete arrival, read only by leaders and ranks that time out.
+        self._store.set(f"arrived/{self._host}", str(gen))
+        _all_gather_or_raise(self, self._gathered, torch.tensor(row, dtype=torch.int64),
+                             self._group, phase, rnd, lambda: self._missing(gen))
         rows = [t.tolist() for t in self._gathered]
         gens = [r[0] for r in rows]
         if min(gens) != gen or max(gens) != gen:
