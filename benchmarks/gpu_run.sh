@@ -68,7 +68,9 @@
 #   bench4     4 GPUs: TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
-#              stock, normal, pd, pd_genq, pd_whole, pd_work; output bench2dp_$BENCH2DP_TAG (default a)
+#              stock, normal, pd, pd_genq, pd_whole, pd_work and stock with vLLM's prefill cadence
+#              (stock_c4, stock_c8, stock_c16, stock_c32: --prefill-schedule-interval N); output
+#              bench2dp_$BENCH2DP_TAG (default a)
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
@@ -335,7 +337,11 @@ for i in range(64):
               --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
     bench2dp) compare bench2dp_${BENCH2DP_TAG:-a} 0,1 --dp 2 --enable-expert-parallel \
                 --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" --variant "$V_PD_WHOLE" \
-                --variant "$V_PD_WORK" --only ${BENCH2DP_ONLY:-stock,normal} ;;
+                --variant "$V_PD_WORK" --backend stock_c4='--prefill-schedule-interval 4' \
+                --backend stock_c8='--prefill-schedule-interval 8' \
+                --backend stock_c16='--prefill-schedule-interval 16' \
+                --backend stock_c32='--prefill-schedule-interval 32' \
+                --only ${BENCH2DP_ONLY:-stock,normal} ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;
     *) echo "unknown job $job" ;;
