@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vllm_ainfer_pd.refusals import refuse_options_without_backend
 from vllm_ainfer_pd.vllm_glue.shapes import Patch
 
 PATCHES = [
@@ -37,6 +38,7 @@ def install(name: str, select: Callable[[object], type]) -> None:
     def get_class(vllm_config):
         if vllm_config.parallel_config.distributed_executor_backend == name:
             return select(vllm_config)
+        refuse_options_without_backend(vllm_config)  # ainfer_pd options would be ignored here
         return stock_get_class(vllm_config)
 
     get_class._ainfer_pd = True
