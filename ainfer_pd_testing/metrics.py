@@ -9,7 +9,8 @@ from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
 
 
 def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 30.0):
-    """Per-rank lane counters once every DP rank has reported all it did.
+    """Per-rank lane counters once every DP rank has reported all it did, in rank order (the
+    order of /metrics follows which rank reported first).
 
     A rank's counters reach `/metrics` with its next real forward (vllm_ainfer_pd.metrics), so
     what a rank did in dummy steps or after its last forward is not there yet when a run ends.
@@ -25,6 +26,6 @@ def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 
     while True:
         ranks = by_rank(read_metrics_text(url))
         if ranks == previous or time.monotonic() > deadline:
-            return ranks
+            return dict(sorted(ranks.items(), key=lambda item: int(item[0])))
         previous = ranks
         time.sleep(2.0)

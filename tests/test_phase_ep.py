@@ -27,6 +27,7 @@ import pytest
 
 from ainfer_pd_testing import phase_ep
 from ainfer_pd_testing.collective_log import read_logs
+from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import (
     ServerRunner,
     compare,
@@ -34,7 +35,7 @@ from ainfer_pd_testing.parity import (
     parity_waves,
     run_waves,
 )
-from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
+from vllm_ainfer_pd.rollout.backend_metrics import read_metrics_text
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
 from vllm_ainfer_pd.rollout.server import VllmServer
 
@@ -119,19 +120,8 @@ def _parity(normal, outs_key: str, ours: list[list[int]], waves) -> None:
 
 
 def _rank_metrics(srv: VllmServer, model: str) -> list[dict[str, float]]:
-    """Each DP rank's lane counters once both have reported what they did: a rank's counters
-    reach /metrics with its next real forward, which one short inline request per rank gives."""
-    client = ServerRunner(srv.url, model).client()
-    for dp_rank in range(2):
-        client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=2,
-                                  extra_headers={"X-data-parallel-rank": str(dp_rank)})
-    previous, deadline = None, time.monotonic() + 30
-    while True:
-        ranks = by_rank(read_metrics_text(srv.url))
-        if ranks == previous or time.monotonic() > deadline:
-            return list(ranks.values())
-        previous = ranks
-        time.sleep(2.0)
+    """Each DP rank's lane counters, in rank order, once both have reported what they did."""
+    return list(settled_rank_metrics(srv.url, model, 2).values())
 
 
 def _engine_gauges(srv: VllmServer) -> dict[str, float]:
