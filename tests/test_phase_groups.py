@@ -18,7 +18,8 @@ import pytest
 
 from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
 
-pytestmark = pytest.mark.timeout(240)
+# ~30 s on an idle machine (two processes import vLLM); bounded generously for a loaded one.
+pytestmark = pytest.mark.timeout(600)
 
 HIDDEN = 4
 ROUNDS = 3
@@ -163,7 +164,7 @@ def _scenarios_rank(rank: int, world_size: int, port: int) -> dict:
 @pytest.fixture(scope="module")
 def scenarios() -> list[dict]:
     with RankGroup(_scenarios_rank, 2) as ranks:
-        return ranks.wait(150)
+        return ranks.wait(480)
 
 
 def test_p_and_d_dispatch_in_opposite_orders_on_two_ranks_meet_only_their_own_phase(scenarios):
