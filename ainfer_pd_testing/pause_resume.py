@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -88,12 +89,15 @@ async def plain_rollout(engine, prompts: list[list[int]], max_tokens: int,
 async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode: str,
                          weight_seed: int | None = None, busy_timeout_s: float = 60.0,
                          request_prefix: str = "r", timeout_s: float = 180.0,
-                         sleep_level: int | None = None) -> PausedRollout:
+                         sleep_level: int | None = None,
+                         after_pause: Callable[[], Awaitable[None]] | None = None
+                         ) -> PausedRollout:
     """Start every prompt, pause with `mode` once the P lane has jobs in flight (stock: once a
     request has a token), push new weights (`perturb_weights(weight_seed)`) if a seed is given,
     resume, and collect every request's output. With `sleep_level` the pause is vLLM's
     `sleep(sleep_level, mode)` (GPU: weights to host memory, KV cache dropped) and the resume
-    `wake_up()`."""
+    `wake_up()`. `after_pause`, if given, is what the trainer does while the engine is paused
+    instead (its own weight update, its own resume calls): it must leave the engine resumed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -110,7 +114,7 @@ async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode
     tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
     try:
         run = await _pause_when_busy(engine, mode, weight_seed, tokens, busy_timeout_s,
-                                     timeout_s, sleep_level)
+                                     timeout_s, sleep_level, after_pause)
     except BaseException:
         # Abort the requests while the engine still runs: left to asyncio.run's teardown, their
         # aborts would wait on an engine already shut down.
@@ -130,8 +134,8 @@ async def paused_rollout(engine, prompts: list[list[int]], max_tokens: int, mode
 
 
 async def _pause_when_busy(engine, mode: str, weight_seed: int | None, tokens: list[list[int]],
-                           busy_timeout_s: float, timeout_s: float,
-                           sleep_level: int | None) -> PausedRollout:
+                           busy_timeout_s: float, timeout_s: float, sleep_level: int | None,
+                           after_pause: Callable[[], Awaitable[None]] | None) -> PausedRollout:
     """Wait until the rollout is busy, pause, note the tokens, update the weights, resume."""
     deadline = time.monotonic() + busy_timeout_s
     lane = await lane_status(engine)
@@ -161,6 +165,9 @@ async def _pause_when_busy(engine, mode: str, weight_seed: int | None, tokens: l
     run.lane_at_pause = await lane_status(engine)
     await asyncio.sleep(0.5)
     run.before = [list(t) for t in tokens]
+    if after_pause is not None:
+        await after_pause()
+        return run
     if weight_seed is not None:
         await engine.collective_rpc("perturb_weights", args=(weight_seed,))
     await (engine.resume_generation() if sleep_level is None else engine.wake_up())
