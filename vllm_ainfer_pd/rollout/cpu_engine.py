@@ -22,6 +22,9 @@ def cpu_env(num_ranks: int) -> dict[str, str]:
 
     VLLM_CPU_OMP_THREADS_BIND needs one entry per rank (in DP, PP, TP order); ranks share cores
     round-robin. The KV cache gets 1 GiB: enough for the tiny models, small enough for 4 ranks.
+    TorchDynamo is off: with `enforce_eager` the only thing vLLM 0.26 compiles on the CPU is its
+    random sampler (`compiled_random_sample`, at start-up in the sampler's warm-up), which took
+    12-18 s of every engine process's start on 2 cores and runs the same ops eagerly.
     """
     cores = os.cpu_count() or 1
     if num_ranks == 1:
@@ -33,6 +36,7 @@ def cpu_env(num_ranks: int) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "TOKENIZERS_PARALLELISM": "false",
+        "TORCHDYNAMO_DISABLE": "1",
     }
 
 
