@@ -7,8 +7,9 @@ Before 2026-12-02 a `keep` pause with P in flight failed: vLLM's prefix-cache re
 reserved by the lane and raised ("requests waiting for remote KV transfer ... not supported"),
 from the engine's idle callback, which ended the engine.
 
-The reference is one stock TP=1 engine with the same weight update, shared by the module; DP=2
-with expert parallelism is judged against it under the tie rule, as in tests/test_serve.py.
+The reference is one stock TP=1 engine with the same weight update, shared by the module. The
+pause at DP=2 with expert parallelism (every mode, through `vllm serve`'s endpoints) is in
+tests/test_rl_frameworks.py.
 """
 
 from __future__ import annotations
@@ -102,11 +103,3 @@ def test_pause_keep_wait_abort_with_p_in_flight_tp1(tiny_model, stock_new_weight
     modes = ("keep", "wait", "abort")
     check(asyncio.run(rollouts(tiny_model, modes)), modes, stock_new_weights)
 
-
-def test_pause_keep_with_p_in_flight_dp2_expert_parallel(tiny_model, stock_new_weights):
-    """Both DP ranks run every P epoch together (matched no-work epochs on an idle rank); a pause
-    must drain them on both, through vLLM's DP pause."""
-    modes = ("keep",)
-    runs = asyncio.run(rollouts(tiny_model, modes, data_parallel_size=2,
-                                enable_expert_parallel=True))
-    check(runs, modes, stock_new_weights)

@@ -15,14 +15,15 @@ same weights, under the parity harness's tie rule.
   `wait`, with new weights through vLLM's weight-transfer endpoints while paused; in `abort`),
   resumed with `/resume`.
 
-What `tests/test_pause_resume.py` proves (`pause_generation` in keep / wait / abort, DP=2 keep
-through `AsyncLLM`) is not repeated here. One stock TP=1 engine is the reference for the whole
+What `tests/test_pause_resume.py` proves (`pause_generation` in keep / wait / abort through
+`AsyncLLM`) is not repeated here. One stock TP=1 engine is the reference for the whole
 module: it receives each set of weights through the same transport when a test needs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import threading
@@ -32,6 +33,7 @@ import urllib.request
 
 import pytest
 
+from ainfer_pd_testing import faults
 from ainfer_pd_testing.parity import ServerRunner, compare, offline_llm
 from ainfer_pd_testing.pause_resume import (
     judge_continuations,
@@ -47,6 +49,7 @@ from ainfer_pd_testing.weight_transfer import (
     checkpoint,
     trained,
 )
+from vllm_ainfer_pd.models import PRESETS, write_model
 from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, apply_cpu_env, cpu_env, serve_args
 from vllm_ainfer_pd.rollout.server import VllmServer
@@ -428,12 +431,12 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
     """One `vllm serve` at DP=2 with expert parallelism, every request on DP rank 0 (rank 1 runs
     matched no-work epochs). For each way RL frameworks pause over HTTP, with P jobs in flight:
     `keep` without clearing the cache (prime-rl's `/pause`), `wait` with new weights sent to
-    both ranks through vLLM's weight-transfer endpoints while paused (the trainer's update between pause and
-    resume, by the endpoints SkyRL uses), `abort`. `/pause` returns and `/is_paused` says so; no token is made on either rank
-    until `/resume` (a probe sent to each rank waits); afterwards the lane's in-flight gauge is
-    0 and KV usage at its idle value on both ranks, the pause's P jobs were cancelled, and every
-    request's tokens are stock's with the weights it ran on (`abort`: what it had is the start
-    of stock's)."""
+    both ranks through vLLM's weight-transfer endpoints while paused (the trainer's update
+    between pause and resume, by the endpoints SkyRL uses), `abort`. `/pause` returns and
+    `/is_paused` says so; no token is made on either rank until `/resume` (a probe sent to each
+    rank waits); afterwards the lane's in-flight gauge is 0 and KV usage at its idle value on both
+    ranks, the pause's P jobs were cancelled, and every request's tokens are stock's with the
+    weights it ran on (`abort`: what it had is the start of stock's)."""
     trainer = Trainer(num_workers=2)  # one worker per DP rank
     with VllmServer(tiny_model, serve_args(CPU_ENGINE_ARGS) + DP_SERVER,
                     {**cpu_env(2), "VLLM_SERVER_DEV_MODE": "1"}, name="ours-dp2-ep-pause") as srv:
@@ -518,3 +521,58 @@ def check_http_pause(run: dict, mode: str, ps: list[list[int]], reference: Refer
                          stock.teacher_force)
         print(mode, name, report)
         assert report.fail == 0, (mode, name, report)
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory) -> str:
+    """The tiny model with 48 layers: 49 P boundaries, so an epoch at one boundary per round
+    spans more rounds than vLLM's DP wave check (every 32 steps)."""
+    spec = dataclasses.replace(PRESETS["tiny"], name="tiny-deep", num_layers=48)
+    return str(write_model(spec, tmp_path_factory.mktemp("tiny-deep")))
+
+
+def test_serve_dp2_pause_wait_drains_a_p_epoch_longer_than_vllms_dp_wave_check(deep_model):
+    """At DP > 1 vLLM ends a wave when, at a step that is a multiple of 32, no rank reports
+    unfinished requests, and under a pause it counts neither waiting nor parked requests. A P
+    epoch the pause cancelled still needs rounds (forwards on every DP rank) to drain. Here the
+    pause meets one epoch with more than 32 rounds to go and no request decoding: the scheduler
+    must count the draining job as unfinished, or the wave ends with the job in flight, DP rank 0
+    steps with no forward for ever and `/pause` never answers. After the pause the lane is empty
+    on both ranks; after the resume the request completes with the tokens the same prompt gets
+    on the other rank."""
+    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "fixed", "segment_span": 1}}
+    args = ["--distributed-executor-backend", "ainfer_pd", "--additional-config",
+            json.dumps(lane), "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--worker-extension-cls", faults.EXTENSION]
+    prompt = prompts(20, 1)[0]
+    with VllmServer(deep_model, serve_args(CPU_ENGINE_ARGS) + args,
+                    {**cpu_env(2), **faults.SERVER_ENV}, name="ours-dp2-deep-pause") as srv:
+        try:
+            # 0.1 s before each boundary: the epoch spans ~5 s, and the pause lands early in it.
+            assert faults.inject_over_http(srv.url, slow_boundary_s=0.1) == [{"rank": 0}]
+            request = Streamed(srv.url, deep_model, prompt, 4, 0)
+            deadline = time.monotonic() + 120
+            while not ((status := rank0_lane(srv.url))["epochs"] and status["inflight"]):
+                assert time.monotonic() < deadline, f"no P epoch open after 120 s: {status}"
+                time.sleep(0.05)
+            at_pause = admin(srv.url, "/pause", timeout_s=60, mode="wait", clear_cache="true")
+            after = rank0_lane(srv.url)
+            print("lane at the pause:", status, "after:", after)
+            assert at_pause == {"status": "paused"}, at_pause
+            # The pause met the epoch with more rounds to go than a wave check's period.
+            assert status["segments"] + 32 < 49, status
+            assert after["inflight"] == 0 and after["jobs_cancelled"] == 1, after
+            assert request.tokens == [], request.tokens
+            faults.inject_over_http(srv.url)  # P at full speed again
+            assert admin(srv.url, "/resume") == {"status": "resumed"}
+            request.join(120)
+            assert request.error is None and request.finish_reason == "length", request.error
+            other = Streamed(srv.url, deep_model, prompt, 4, 1)
+            other.join(120)
+            assert other.error is None and request.tokens == other.tokens, \
+                (request.tokens, other.tokens)
+            lanes, _ = settled(srv.url, deep_model)
+            assert len(lanes) == 2 and all(r.get(INFLIGHT, 0) == 0 for r in lanes.values()), lanes
+        except BaseException:
+            print(srv.log_tail(120))
+            raise

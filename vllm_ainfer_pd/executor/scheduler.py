@@ -84,8 +84,9 @@ class _PLaneScheduling(Scheduler):
         So no P forward spans what the caller does while paused (a weight update or sleep), the
         prefix-cache reset of `pause_generation(clear_cache=True)` finds no block reserved by the
         lane (vLLM raises if it does), and no request is promoted on KV of the weights before
-        the pause. Aborted requests drain as before. `has_requests` keeps the engine stepping
-        until the worker has reported every cancelled job: its D iterations drain the epoch.
+        the pause. Aborted requests drain as before. `has_unfinished_requests` keeps the engine
+        stepping (at DP > 1: the wave going) until the worker has reported every cancelled job:
+        its D iterations drain the epoch.
         """
         super().set_pause_state(pause_state)
         lane = self.p_lane
@@ -112,11 +113,16 @@ class _PLaneScheduling(Scheduler):
         request.status = (RequestStatus.PREEMPTED if request.num_preemptions
                           else RequestStatus.WAITING)
 
-    def has_requests(self) -> bool:
+    def has_unfinished_requests(self) -> bool:
         """vLLM's answer, and also while the lane still holds jobs: under a pause vLLM counts
-        neither waiting nor parked requests, but the cancelled jobs need steps to drain."""
+        neither waiting nor parked requests, but the cancelled jobs need rounds to drain.
+
+        At DP > 1 this is the bit vLLM all-reduces to end a wave (`DPEngineCoreProc`): a rank
+        whose only work is a draining job must keep the wave going, or every rank stops making
+        forwards (and so rounds) with the job still in flight and the pause never completes.
+        `has_requests` (DP = 1: whether the engine steps at all) reads this too."""
         lane = self.p_lane
-        return super().has_requests() or (lane is not None and bool(lane.inflight))
+        return super().has_unfinished_requests() or (lane is not None and bool(lane.inflight))
 
 
 class AInferPDScheduler(_PLaneScheduling):
