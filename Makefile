@@ -11,10 +11,10 @@ test:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \
 	  $$py -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
 
-# Tests that start no vLLM engine (seconds).
+# Tests that start no vLLM engine and no vLLM subprocess (under a minute).
 test-fast:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \
-	  $$py -m pytest tests -ra -m "not engine" $(PYTEST_ARGS)
+	  $$py -m pytest tests -ra -m "not engine and not slow" $(PYTEST_ARGS)
 
 # stock vLLM vs ainfer_pd (default options: prompts of >= 512 uncached tokens take the P lane) vs
 # ainfer_pd with the lane taking every prompt of >= 64 uncached tokens.

@@ -61,6 +61,7 @@ def test_wrong_type_is_named():
         AInferPDConfig.from_dict({"mode": 3})
 
 
+@pytest.mark.slow
 def test_the_packages_info_logs_reach_vllms_handler_once():
     """In a fresh process, as in each vLLM process: before the plugin registers, the package's INFO
     records are dropped (no handler); after it, they print once, in vLLM's format."""

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_ainfer_pd.rollout.server import vllm_command
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _error_lines(output: str, needle: str) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
 
 # ~30 s on an idle machine (two processes import vLLM); bounded generously for a loaded one.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HIDDEN = 4
 ROUNDS = 3

@@ -59,6 +59,7 @@ def test_another_backend_without_the_options_is_left_alone(tiny_model):
     vllm_config(tiny_model, "mp", {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mp", "external_launcher"])
 def test_llm_with_the_options_and_another_backend_fails_in_one_line_before_any_engine(
         tiny_model, backend):

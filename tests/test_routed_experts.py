@@ -44,6 +44,7 @@ def test_routed_experts_with_the_lane_are_refused_at_validation(tiny_model):
     assert AInferPDExecutor.validate(config) == AInferPDConfig(mode="normal")
 
 
+@pytest.mark.slow
 def test_routed_experts_with_the_lane_fail_before_an_engine_starts(tiny_model):
     code = ("from vllm import LLM\n"
             f"LLM(model={tiny_model!r}, distributed_executor_backend='ainfer_pd',\n"

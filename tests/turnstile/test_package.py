@@ -23,6 +23,7 @@ def test_turnstile_package_imports_no_vllm():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_module_entry_point_prints_the_rendezvous_table_and_saves_json(tmp_path):
     path = tmp_path / "rdv.json"
     out = subprocess.run([sys.executable, "-m", "vllm_ainfer_pd.turnstile", "--ranks", "2",

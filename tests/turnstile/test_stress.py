@@ -14,6 +14,7 @@ from vllm_ainfer_pd.turnstile.stress_plan import expected_log, expected_records,
 pytestmark = pytest.mark.timeout(170)
 
 
+@pytest.mark.slow
 def test_stress_passes_2560_cycles_for_each_of_5_seeds_with_rank_skew():
     # CI uses a 0.5 ms max skew so 12,800 cycles fit in about half a minute on 2 cores; the long
     # run (python -m vllm_ainfer_pd.turnstile.stress) uses 20 ms.
