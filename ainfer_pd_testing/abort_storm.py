@@ -541,7 +541,7 @@ def run_storm(
     finally:
         with contextlib.suppress(Exception):
             engine.engine_core.shutdown()
-        del llm, engine
+        llm = engine = None  # the next engine gets the memory
 
     # ---- (c)/(d) stock vLLM on the same prompts ------------------------------------------------
     done = [t for t in turns_all if t.state == "finished" and t.ext_id != "final"]

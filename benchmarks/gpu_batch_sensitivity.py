@@ -1,12 +1,12 @@
 """Does stock vLLM itself give one prompt different greedy tokens in different batches?
 
-`gpu_pause.py` found one prompt of sixteen (prompt 7 of `prompts(4)`) where the lane's tokens differ from
-stock's by a logprob gap of 0.1 after the test weight update, in some runs and not others. A gap
-that large is no rounding tie of the output logits, but an MoE router whose top-k is nearly tied
-upstream turns a rounding difference (another batch, other kernels) into one. This runs the
-prompt on stock vLLM alone and in several batches, with the same engine arguments and weights,
-and writes its tokens and top logprobs per batch: if stock's own tokens change with the batch,
-the prompt sits on such a tie and no backend can be judged on it.
+`gpu_pause.py` found one prompt of sixteen (prompt 7 of `prompts(4)`) where the lane's tokens
+differ from stock's by a logprob gap of 0.1 after the test weight update, in some runs and not
+others. A gap that large is no rounding tie of the output logits, but an MoE router whose top-k
+is nearly tied upstream turns a rounding difference (another batch, other kernels) into one.
+This runs the prompt on stock vLLM alone and in several batches, with the same engine arguments
+and weights, and writes its tokens and top logprobs per batch: if stock's own tokens change with
+the batch, the prompt sits on such a tie and no backend can be judged on it.
 
 With `--router-margins` (and `--engine-args '{"enforce_eager": true}'`: module hooks do not fire in
 compiled graphs) it also prefills the prompt and stock's first `--tokens-fed` output tokens once

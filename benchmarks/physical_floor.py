@@ -167,7 +167,7 @@ def measure_peaks(reps: int = 10) -> tuple[float, float]:
     n = 8192
     a, b, c = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     tflops = 2 * n**3 / best_s(lambda: torch.matmul(a, b, out=c), 10) / 1e12
-    del a, b, c
+    a = b = c = None  # free the 384 MiB before the copy test
     src = torch.empty(4 << 30, device="cuda", dtype=torch.uint8)  # 4 GiB, far above any cache
     dst = torch.empty_like(src)
     tbps = 2 * src.numel() / best_s(lambda: dst.copy_(src), 3) / 1e12  # read + write
@@ -205,7 +205,8 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     from vllm_ainfer_pd.models.generate import PRESETS as MODEL_PRESETS
-    from vllm_ainfer_pd.rollout.generator import PRESETS as TRACE_PRESETS, generate
+    from vllm_ainfer_pd.rollout.generator import PRESETS as TRACE_PRESETS
+    from vllm_ainfer_pd.rollout.generator import generate
     from vllm_ainfer_pd.rollout.trace import load_trace
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -232,7 +232,8 @@ def derive(out_dir: Path) -> list[Path]:
                 points.append(burst_point(label, recs, GPU_ENGINE["max_num_batched_tokens"]))
         if name == "gpu":
             for part in ("decodeg_a", "decodeg_b"):
-                rep = json.loads((GPU / "decode_only_gpu_preset" / part / "report.json").read_text())
+                rep = json.loads((GPU / "decode_only_gpu_preset" / part / "report.json")
+                                 .read_text())
                 tpot = rep["backends"]["stock"]["aggregate"]["tpot_s.p50"]["median"]
                 # 64 rows of 16-token prompts decoding 1,024 tokens: mean context 16 + 512.
                 points.append({"rows": 64, "context": 64 * 528, "chunks": [], "samples": 0,
@@ -247,9 +248,10 @@ def derive(out_dir: Path) -> list[Path]:
         # whole: its host time per epoch is that floor.
         engine["h_eager_s"] = measured["host_per_epoch_genq_s"]
         lane.update(contention=CONTENTION, async_hide=ASYNC_HIDE)
+        rel_dirs = [str(d.relative_to(ROOT)) for d in rec_dirs]
         raw = {"name": name, "shape": shape.to_dict(),
                "source": ("derived by benchmarks/profile_costs.py derive from the 1 x H200 "
-                          f"rollouts' records and counters ({', '.join(str(d.relative_to(ROOT)) for d in rec_dirs)}"
+                          f"rollouts' records and counters ({', '.join(rel_dirs)}"
                           "; decode-only run for the gpu preset); lane measured: "
                           + json.dumps(measured)),
                "hardware": H200, "engine": engine, "lane": lane, "points": points}

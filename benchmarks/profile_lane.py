@@ -13,7 +13,8 @@ so the capture is a window of the rollout, not all of it). The worker's trace is
   decode replays); every other thread that launches kernels is P's (the lane starts one per epoch)
   or a helper, listed per thread so nothing is hidden.
 - **Overlap.** The union of P's kernel intervals intersected with the union of D's, over P's:
-  the exact kernel-level figure that the lane's CUDA-event meter (`overlap_timing`) bounds from above.
+  the exact kernel-level figure that the lane's CUDA-event meter (`overlap_timing`) bounds from
+  above.
 - **P's host waits.** The runtime calls on P's threads that block the host (`*Synchronize`,
   blocking `cudaMemcpy`), and P's longest runtime calls: a sync inside P's forward would make its
   host enqueue as slow as its device work and make D wait for it.

@@ -93,7 +93,8 @@ def trial(per_sm: int, num_warps: int, d_priority: int, stall_s: float, routed: 
     if stalled:
         print(f"  STALL at {per_sm} CTAs/SM (num_warps={num_warps}): wait graph\n"
               f"    P: spin ({grid} CTAs, {per_sm}/SM on {sms} SMs) waits for D's flag\n"
-              f"    D: set_flag (1 CTA, stream priority {d_stream.priority}) waits for a free CTA slot,"
+              f"    D: set_flag (1 CTA, stream priority {d_stream.priority}) waits for a free CTA "
+              "slot,"
               f" all held by P\n"
               f"    releasing P through the copy engine", flush=True)
         with torch.cuda.stream(release_stream):

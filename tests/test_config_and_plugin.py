@@ -32,7 +32,8 @@ def test_config_defaults_to_pd_mode():
 
 def test_the_default_segment_policy_is_the_benchmarked_one_and_a_span_needs_fixed():
     assert AInferPDConfig.from_dict(None).segment_policy == "load"
-    assert AInferPDConfig.from_dict({"segment_policy": "fixed", "segment_span": 4}).segment_span == 4
+    fixed = AInferPDConfig.from_dict({"segment_policy": "fixed", "segment_span": 4})
+    assert fixed.segment_span == 4
     with pytest.raises(ConfigError, match=r"segment_span=4 applies to segment_policy='fixed'; "
                                           r"segment_policy='load' chooses K itself"):
         AInferPDConfig.from_dict({"segment_span": 4})

@@ -97,8 +97,8 @@ def normal(tiny_model):
 
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
-    srv = _serve(tiny_model, LANE, "pd-dp2-ep-phase-owned", ["--worker-extension-cls",
-                                                             phase_ep.EXTENSION], phase_ep.SERVER_ENV)
+    srv = _serve(tiny_model, LANE, "pd-dp2-ep-phase-owned",
+                 ["--worker-extension-cls", phase_ep.EXTENSION], phase_ep.SERVER_ENV)
     prefix = str(tmp_path_factory.mktemp("collectives") / "log")
     try:
         srv.start()

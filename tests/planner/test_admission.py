@@ -76,8 +76,12 @@ def test_a_model_that_mixes_windowed_and_full_attention_layers_keeps_every_promp
     sliding-window layers of such a model full-attention KV blocks: no window limit."""
     import torch
     from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     from vllm_ainfer_pd.connector import window_prompt_limit
 

@@ -6,9 +6,9 @@ objects over the same weights and ranks, never shared:
 | module | state |
 |---|---|
 | `manager.py` | `PhaseEP`: the phase-owned state of one worker, and its contract with the lane |
-| `phase_groups.py` | vLLM's stateless all-gather/reduce-scatter backend: P's own EP and DP communicators |
+| `phase_groups.py` | vLLM's stateless all-gather/reduce-scatter: P's own EP and DP groups |
 | `buffers.py` | DeepEP v1.2.1: P's normal-mode buffer beside D's low-latency one, and their sizes |
-| `kernels.py` | DeepEP: P's fused-MoE kernel per layer (normal-mode prepare/finalize, standard experts) |
+| `kernels.py` | DeepEP: P's fused-MoE kernel per layer (normal-mode prepare/finalize) |
 
 `vllm_glue/moe_phase.py` routes each MoE call to the calling phase's state.
 """

@@ -4,10 +4,10 @@ Built once per process after vLLM loaded the model (vLLM's groups, kernels and, 
 low-latency buffer exist; D's CUDA graphs are not captured yet), when the lane runs at DP > 1
 with expert parallelism. Which state depends on vLLM's all-to-all backend:
 
-| backend | D's state (vLLM's) | P's state (`PhaseEP`'s) |
-|---|---|---|
-| `allgather_reducescatter` / `naive` | vLLM's EP and DP communicators | its own EP and DP communicators (`PhaseGroups`) |
-| `deepep_low_latency` (`deepep_high_throughput` maps to it) | the low-latency buffer and kernels | a normal-mode buffer (`PhaseBuffers`) and one kernel per layer (`kernels.py`) |
+- `allgather_reducescatter` / `naive`: D uses vLLM's EP and DP communicators, P its own
+  (`PhaseGroups`).
+- `deepep_low_latency` (`deepep_high_throughput` maps to it): D uses the low-latency buffer and
+  kernels, P a normal-mode buffer (`PhaseBuffers`) and one kernel per layer (`kernels.py`).
 
 The lane's contract (every call on the main thread unless said otherwise):
 - `owns(group)` / `crossed(group)`: whether a collective on `group` is on P's own communicator,

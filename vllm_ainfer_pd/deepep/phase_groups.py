@@ -1,4 +1,5 @@
-"""P's own expert-parallel communicators for vLLM's stateless all-to-all (`allgather_reducescatter`).
+"""P's own expert-parallel communicators for vLLM's stateless all-to-all
+(`allgather_reducescatter`).
 
 vLLM's all-gather / reduce-scatter backend keeps no state between calls, but the communicators it
 runs on do: NCCL orders the collectives of one communicator by issue, a gloo group pairs the n-th
@@ -107,8 +108,9 @@ def _copy_groups() -> dict[str, Any]:
     from vllm.distributed import parallel_state
 
     if get_current_vllm_config_or_none() is None:
-        raise RuntimeError("PhaseGroups.build needs vLLM's current config (set_current_vllm_config):"
-                           " vLLM's device communicator reads it to build an all-to-all manager")
+        raise RuntimeError("PhaseGroups.build needs vLLM's current config "
+                           "(set_current_vllm_config): vLLM's device communicator reads it to "
+                           "build an all-to-all manager")
     copies = {}
     for kind in P_OWNED:
         group = getattr(parallel_state, f"get_{kind}_group")()

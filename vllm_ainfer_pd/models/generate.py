@@ -300,8 +300,12 @@ def write_tokenizer(vocab_size: int, out: Path) -> None:
 def _write_random_weights(config: dict, out: Path, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if config["model_type"] == "deepseek_v3":

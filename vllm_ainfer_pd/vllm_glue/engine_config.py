@@ -23,7 +23,8 @@ PATCHES = [
                 "data_parallel_rank", "enable_expert_parallel", "all2all_backend", "enable_eplb",
                 "decode_context_parallel_size", "prefill_context_parallel_size"), does="sets"),
     Patch("vllm.config:ModelConfig", "routed-expert capture (refused beside the lane's KV "
-          "connector by vLLM itself) is refused at validation", uses=("enable_return_routed_experts",)),
+          "connector by vLLM itself) is refused at validation",
+          uses=("enable_return_routed_experts",)),
     Patch("vllm.config:KVTransferConfig", "the lane's connector settings",
           uses=("kv_connector", "kv_role", "kv_load_failure_policy",
                 "kv_connector_extra_config"), does="builds"),

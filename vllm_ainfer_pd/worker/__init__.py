@@ -43,7 +43,7 @@ class AInferPDWorker(_platform_worker_cls()):
     _open_round = None
 
     def ainfer_pd_status(self) -> dict:
-        """Per-rank status over `collective_rpc("ainfer_pd_status")`: worker, mode, lane counters."""
+        """Per-rank status over `collective_rpc("ainfer_pd_status")`: worker, mode, counters."""
         lane = self.p_lane
         return {
             "worker": type(self).__name__,

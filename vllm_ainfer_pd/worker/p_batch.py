@@ -45,7 +45,8 @@ class PBatchBuilder:
                     (
                         group.layer_names,
                         type(d_builder)(
-                            d_builder.kv_cache_spec, group.layer_names, self.vllm_config, self.device
+                            d_builder.kv_cache_spec, group.layer_names, self.vllm_config,
+                            self.device,
                         ),
                     )
                 )

@@ -187,9 +187,10 @@ def project_paper(gpu: Profile, dp: int = 8) -> list[dict[str, Any]]:
 # -- output ----------------------------------------------------------------------------------
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| preset | DP (=EP) | trace | stock makespan (s) | best cadence (makespan) | pd makespan (s) "
-            "| pd / stock: makespan, p99 TTFT, TPOT p50 | pd / best cadence: makespan | "
-            "all prompts through the lane: / stock, / best cadence |")
+    head = ("| preset | DP (=EP) | trace | stock makespan (s) | best cadence (makespan) "
+            "| pd makespan (s) | pd / stock: makespan, p99 TTFT, TPOT p50 "
+            "| pd / best cadence: makespan "
+            "| all prompts through the lane: / stock, / best cadence |")
     lines = [f"All numbers {LABEL}.", "", head, "|" + "---|" * 9]
     for r in rows:
         if "skipped" in r:
@@ -257,8 +258,8 @@ def write(rows: list[dict[str, Any]], paper: list[dict[str, Any]], out_dir: Path
     js, md = out_dir / "projection.json", out_dir / "projection.md"
     js.write_text(json.dumps({"label": LABEL, "meta": meta, "rows": rows, "paper": paper},
                              indent=1, default=_nan) + "\n")
-    md.write_text("# Scale model: projections\n\n" + markdown(rows) + "\n\n## The paper's setting\n\n"
-                  + paper_markdown(paper) + "\n")
+    md.write_text("# Scale model: projections\n\n" + markdown(rows)
+                  + "\n\n## The paper's setting\n\n" + paper_markdown(paper) + "\n")
     paths = [md, js]
     png = plot(rows, out_dir / "projection.png")
     if png:

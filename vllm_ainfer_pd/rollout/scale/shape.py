@@ -118,7 +118,8 @@ class ModelShape:
     def dense_params(self) -> int:
         """Every parameter a step reads whatever its batch: attention, routers, shared experts,
         dense MLPs, lm_head (the embedding is a gather of the batch's rows, left out)."""
-        moe = self.moe_layers * (self.hidden * self.experts + self.shared_experts * self.expert_params)
+        moe = self.moe_layers * (self.hidden * self.experts
+                                 + self.shared_experts * self.expert_params)
         dense_mlp = self.dense_layers * 3 * self.hidden * self.dense_inter
         return self.layers * self.attn_params + moe + dense_mlp + self.hidden * self.vocab
 

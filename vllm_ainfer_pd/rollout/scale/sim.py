@@ -273,7 +273,8 @@ class Simulator:
         if ordering == "fine":
             frac_left = 1.0 - ep.permit / ep.boundaries
             load = Load(
-                d_occupancy=min(1.0, max(b.rows for b in batches) / float(self.eng["max_num_seqs"])),
+                d_occupancy=min(1.0, max(b.rows for b in batches)
+                                / float(self.eng["max_num_seqs"])),
                 p_pressure=max(sum(q.lane_left for q in r.lane_queue) + frac_left * ep.tokens[i]
                                for i, r in enumerate(self.ranks)) / budget,
                 epoch_size=max(ep.tokens) / budget)
@@ -295,7 +296,8 @@ class Simulator:
             self.n["d_wait_s"] += w
             # D's wait for P's host and P's share of the device overlap in time: while D
             # waits, the device runs P's queued kernels. The round is as long as the longer.
-            hide = float(lane["async_hide"]) * max(0.0, d_s - self.cost.c.t0) if self.async_ else 0.0
+            hide = (float(lane["async_hide"]) * max(0.0, d_s - self.cost.c.t0)
+                    if self.async_ else 0.0)
             extra = max(max(0.0, w - hide), (1.0 - e) * s + float(lane["contention"]) * e * s)
         self.n["segments"] += 1
         self.n["lane_extra_s"] += extra

@@ -138,8 +138,8 @@ RUNS: tuple[Run, ...] = (
 
 EXCLUDED = (
     ("gpu/rollout_tp1/run1_stock_normal_pd_failedP pd, gpu/rollout_tp1/run2_pd pd",
-     ("the earliest GPU rollout's lane ran P eagerly, op by op, and in run1 every P epoch failed and "
-      "recomputed inline: an implementation the model does not describe")),
+     ("the earliest GPU rollout's lane ran P eagerly, op by op, and in run1 every P epoch failed "
+      "and recomputed inline: an implementation the model does not describe")),
     ("gpu/rollout_dp2_ep/bench2dp_b_failed pd, pd_genq",
      "no request completed (the DP metadata bug fixed since)"),
     ("gpu/rollout_tp1_w01/bench1x_w01i", "its report.json did not come back (only the log)"),
