@@ -18,6 +18,9 @@ P_HOSTS = ("auto", "concurrent", "handoff")
 D_STREAM_PRIORITIES = ("default", "high")
 
 
+CONFIG_KEY = "ainfer_pd"  # the plugin's key in vLLM's additional_config
+
+
 class ConfigError(Exception):
     """Not a ValueError on purpose: pydantic (VllmConfig) would fold a ValueError into a multi-line
     ValidationError; this one reaches the user as one line."""
@@ -135,4 +138,4 @@ class AInferPDConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config) -> AInferPDConfig:
         additional = vllm_config.additional_config or {}
-        return cls.from_dict(additional.get("ainfer_pd"))
+        return cls.from_dict(additional.get(CONFIG_KEY))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
-from vllm_ainfer_pd.config import AInferPDConfig
+from vllm_ainfer_pd.config import CONFIG_KEY, AInferPDConfig
 from vllm_ainfer_pd.metrics import PLanePromMetrics, PLaneStats, StatsDelta
 from vllm_ainfer_pd.vllm_glue import kv_connector
 from vllm_ainfer_pd.wire import JobKey, LaneEndpoint, PJob, PLaneMetadata, PLaneWorkerMeta, Report
@@ -102,7 +102,7 @@ class AInferPDConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.config = AInferPDConfig.from_dict(extra.get("ainfer_pd"))
+        self.config = AInferPDConfig.from_dict(extra.get(CONFIG_KEY))
         self.inflight: dict[str, PJob] = {}  # req id -> its job in flight (one at most)
         self.lifetimes: dict[str, int] = {}  # req id -> lifetime of its next job
         self.failed: set[str] = set()  # req ids whose P failed: they recompute inline
@@ -330,5 +330,5 @@ def kv_transfer_config_for(config: AInferPDConfig) -> dict[str, Any] | None:
         "kv_connector": CONNECTOR_NAME,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"ainfer_pd": dataclasses.asdict(config)},
+        "kv_connector_extra_config": {CONFIG_KEY: dataclasses.asdict(config)},
     }

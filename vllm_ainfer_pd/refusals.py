@@ -11,9 +11,8 @@ the error comes before any engine process starts.
 from __future__ import annotations
 
 from vllm_ainfer_pd import BACKEND_NAME
-from vllm_ainfer_pd.config import ConfigError
+from vllm_ainfer_pd.config import CONFIG_KEY, ConfigError
 
-OPTIONS_KEY = "ainfer_pd"
 # The executor's class, by name: the backend may also be given as its class or class path.
 EXECUTOR = ("vllm_ainfer_pd", "AInferPDExecutor")
 
@@ -21,13 +20,13 @@ EXECUTOR = ("vllm_ainfer_pd", "AInferPDExecutor")
 def refuse_options_without_backend(vllm_config) -> None:
     """Raise `ConfigError` if `additional_config` holds ainfer_pd options while the executor
     backend is not this plugin's (its name, its executor class, or that class's path)."""
-    options = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
+    options = (vllm_config.additional_config or {}).get(CONFIG_KEY)
     backend = vllm_config.parallel_config.distributed_executor_backend
     if options is None or not _another_backend(backend):
         return
     name = backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}"
     raise ConfigError(
-        f"additional_config[{OPTIONS_KEY!r}] is set but distributed_executor_backend={name!r} "
+        f"additional_config[{CONFIG_KEY!r}] is set but distributed_executor_backend={name!r} "
         f"ignores it: the ainfer_pd options need distributed_executor_backend={BACKEND_NAME!r} "
         f"(--distributed-executor-backend {BACKEND_NAME}), or remove them")
 
