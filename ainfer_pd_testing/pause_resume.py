@@ -21,6 +21,7 @@ that leaves time for the outputs already on their way).
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
@@ -30,6 +31,13 @@ from ainfer_pd_testing.parity import ParityReport, compare
 
 EXTENSION = "ainfer_pd_testing.weight_update.WeightUpdate"
 
+
+
+def lane_prompts(seed: int, n: int) -> list[list[int]]:
+    """`n` prompts of 300-400 random tokens (ids 3-511 of the tiny models' vocabulary): long
+    enough to reach the lane, and split over several epochs at a 64-token step budget."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(n)]
 
 @dataclass
 class PausedRollout:

@@ -15,7 +15,6 @@ tests/test_rl_frameworks.py.
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
@@ -24,6 +23,7 @@ from ainfer_pd_testing.pause_resume import (
     EXTENSION,
     async_engine,
     judge_continuations,
+    lane_prompts,
     lane_status,
     paused_rollout,
     plain_rollout,
@@ -41,8 +41,7 @@ LANE = {"distributed_executor_backend": "ainfer_pd",
 
 
 def prompts(seed: int, n: int = 12) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(n)]
+    return lane_prompts(seed, n)
 
 
 @pytest.fixture(scope="module")

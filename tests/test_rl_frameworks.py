@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import random
 import threading
 import time
 import urllib.parse
@@ -37,6 +36,7 @@ from ainfer_pd_testing import faults
 from ainfer_pd_testing.parity import ServerRunner, compare, offline_llm
 from ainfer_pd_testing.pause_resume import (
     judge_continuations,
+    lane_prompts,
     lane_status,
     paused_rollout,
     plain_rollout,
@@ -66,8 +66,7 @@ TRANSFER = {"backend": BACKEND}
 
 
 def prompts(seed: int, n: int = 8) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(n)]
+    return lane_prompts(seed, n)
 
 
 class Reference:
