@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -31,11 +30,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-from ainfer_pd_testing.weight_update import WeightUpdate
+from ainfer_pd_testing.weight_update import Weights, WeightUpdate
 
 BACKEND = "tcp_store"
 EXTENSION = "ainfer_pd_testing.weight_transfer.TransferExtension"
-Weights = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -157,17 +155,3 @@ class Trainer:
 
     def send(self, weights: Weights) -> None:
         TCPStoreWeightTransferEngine.trainer_send_weights(iter(weights), {"group": self.group})
-
-
-def checkpoint(model_dir: str | Path) -> Weights:
-    """The model's weights as its checkpoint holds them (names, dtype), in name order."""
-    from safetensors.torch import load_file
-
-    return sorted(load_file(str(Path(model_dir) / "model.safetensors")).items())
-
-
-def trained(weights: Weights, seed: int, scale: float = 0.05) -> Weights:
-    """A stand-in for a training step, in the checkpoint's format: every tensor `w` becomes
-    `w + scale * sin((997 + seed) * w)`, computed in float32 and stored in `w`'s dtype."""
-    return [(name, (t.float() + scale * torch.sin(t.float() * (997.0 + seed))).to(t.dtype))
-            for name, t in weights]

@@ -41,14 +41,8 @@ from ainfer_pd_testing.pause_resume import (
     paused_rollout,
     plain_rollout,
 )
-from ainfer_pd_testing.weight_transfer import (
-    BACKEND,
-    EXTENSION,
-    Trainer,
-    Weights,
-    checkpoint,
-    trained,
-)
+from ainfer_pd_testing.weight_transfer import BACKEND, EXTENSION, Trainer
+from ainfer_pd_testing.weight_update import Weights, checkpoint, trained
 from vllm_ainfer_pd.models import PRESETS, write_model
 from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, apply_cpu_env, cpu_env, serve_args
@@ -70,38 +64,37 @@ def prompts(seed: int, n: int = 8) -> list[list[int]]:
 
 
 class Reference:
-    """Stock vLLM (TP=1) able to hold any weights the tests' engines hold: a checkpoint sent
-    through the transport, then optionally `perturb_weights(seed)`."""
+    """Stock vLLM (TP=1) able to hold any weights the tests' engines hold, sent through the
+    transport."""
 
     def __init__(self, runner, trainer: Trainer):
         self.runner = runner
         self.trainer = trainer
-        self.holds: tuple[str, int | None] = ("W0", None)  # it starts on the model's checkpoint
+        self.holds = "W0"  # it starts on the model's checkpoint
 
-    def hold(self, name: str, weights: Weights, seed: int | None = None):
-        if self.holds != (name, seed):
+    def hold(self, name: str, weights: Weights):
+        if self.holds != name:
             llm = self.runner.llm
             llm.start_weight_update()
             self.trainer.send(weights)  # the store keeps them until the workers read them
             llm.update_weights({"update_info": Trainer.update_info(weights)})
             llm.finish_weight_update()
-            if seed is not None:
-                llm.collective_rpc("perturb_weights", args=(seed,))
             assert llm.reset_prefix_cache()
-            self.holds = (name, seed)
+            self.holds = name
         return self.runner
 
 
 @pytest.fixture(scope="module")
 def weights(tiny_model) -> dict[str, Weights]:
-    """The model's checkpoint, two training steps after it, and the first step with the routed
-    experts left as they were."""
+    """The model's checkpoint, what `perturb_weights(SEED)` makes of it, two training steps
+    after it, and the first step with the routed experts left as they were."""
     w0 = checkpoint(tiny_model)
     w1 = trained(w0, seed=11)
     # W1 for every tensor but the routed experts', which keep W0's: what the DP=2 + EP server
     # receives (docs/rl.md: vLLM's layerwise reload fails there on expert weights).
     shared = [(n, t1 if not is_expert(n) else t0) for (n, t0), (_, t1) in zip(w0, w1)]
-    return {"W0": w0, "W1": w1, "W2": trained(w1, seed=12), "W1-shared": shared}
+    return {"W0": w0, "W0-perturbed": trained(w0, seed=SEED), "W1": w1,
+            "W2": trained(w1, seed=12), "W1-shared": shared}
 
 
 def is_expert(name: str) -> bool:
@@ -240,7 +233,7 @@ def test_verl_sleep_with_p_in_flight_then_wake_by_tags_matches_stock(rl_loop, re
     woke = rl_loop["after_weights_wake"]
     assert woke["sleeping"] and woke["paused"] and woke["lane"]["inflight"] == 0, woke
     assert rl_loop["after_kv_wake"] == {"sleeping": False, "paused": False}, rl_loop
-    stock = reference.hold("W0", weights["W0"], seed=SEED)
+    stock = reference.hold("W0-perturbed", weights["W0-perturbed"])
     report = judge_continuations(prompts(0), run, MAX_TOKENS, stock)
     print("sleep", report)
     assert report.fail == 0, report
