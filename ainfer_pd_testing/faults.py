@@ -13,6 +13,10 @@ rendezvous rounds counted from the lane's start):
   failure, like an out-of-memory at one batch shape: before layer 0's attention, so no rank has
   begun a collective its peers would wait in);
 - `fail_epoch="<epoch>@<rank>"`: only that rank's P fails, while it prepares its batch;
+- `fail_at="<epoch>@<rank>:b<boundary>"` / `"<epoch>@<rank>:c<index>"`: only that rank's P fails,
+  just before it publishes that boundary, or before it issues its collective number `index` of
+  the epoch (inside a segment, while its peers go on issuing the segment's rest): an asymmetric
+  failure, as an out-of-memory at one rank's own batch shape is;
 - `slow_boundary_s=<seconds>`: P sleeps that long before each boundary on every rank (a slow P:
   each round waits for P's stop at its permit, so an epoch spans more wall time, not more rounds).
 """
@@ -34,13 +38,19 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # `vllm serve` then serves /collecti
 class ScriptedFaults(FaultHooks):
     """The faults `inject_p_faults` describes, for one rank's lane."""
 
-    def __init__(self, stall: str = "", fail_epoch: str = "", slow_boundary_s: float = 0.0) -> None:
+    def __init__(self, stall: str = "", fail_epoch: str = "", slow_boundary_s: float = 0.0,
+                 fail_at: str = "") -> None:
         stall_rank, _, stall_round = stall.partition(":")
         self.stall = (int(stall_rank), int(stall_round)) if stall else None
         epoch, _, rank = fail_epoch.partition("@")
         self.fail_epoch = int(epoch) if fail_epoch else None
         self.fail_rank = int(rank) if rank else None  # None: every rank, at boundary 1
         self.slow_boundary_s = slow_boundary_s
+        self.fail_at = None  # (epoch, rank, "b" or "c", boundary or collective index)
+        if fail_at:
+            where, _, point = fail_at.partition(":")
+            epoch, _, rank = where.partition("@")
+            self.fail_at = (int(epoch), int(rank), point[0], int(point[1:]))
 
     def before_pre_d(self, rank: int, round: int, timeout_s: float) -> None:
         if self.stall == (rank, round):
@@ -51,6 +61,14 @@ class ScriptedFaults(FaultHooks):
         time.sleep(self.slow_boundary_s)
         if boundary == 1 and epoch == self.fail_epoch and self.fail_rank is None:
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank}")
+        if self.fail_at == (epoch, rank, "b", boundary):
+            raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} at "
+                               f"boundary {boundary}")
+
+    def at_collective(self, rank: int, epoch: int, index: int) -> None:
+        if self.fail_at == (epoch, rank, "c", index):
+            raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} before "
+                               f"its collective {index}")
 
     def preparing_batch(self, rank: int, epoch: int) -> None:
         if epoch == self.fail_epoch and rank == self.fail_rank:
@@ -62,23 +80,24 @@ class FaultInjection:
     """Mixed into the engine's worker class by vLLM (`worker_extension_cls`)."""
 
     def inject_p_faults(self, stall: str = "", fail_epoch: str = "",
-                        slow_boundary_s: float = 0.0) -> dict | None:
+                        slow_boundary_s: float = 0.0, fail_at: str = "") -> dict | None:
         """Install the faults in this rank's lane; returns {"rank": its world rank}, or None
         where the engine runs no lane (a dict, as `/collective_rpc` returns it unchanged)."""
         lane = self.p_lane  # `self` is the AInferPDWorker this class is mixed into
         if lane is None:
             return None
-        lane.install_faults(ScriptedFaults(stall, fail_epoch, slow_boundary_s))
+        lane.install_faults(ScriptedFaults(stall, fail_epoch, slow_boundary_s, fail_at))
         return {"rank": lane.rank}
 
 
 def inject_over_http(url: str, stall: str = "", fail_epoch: str = "",
-                     slow_boundary_s: float = 0.0) -> list:
+                     slow_boundary_s: float = 0.0, fail_at: str = "") -> list:
     """`inject_p_faults` on every rank of a `vllm serve` started with `EXTENSION` and
     `SERVER_ENV`; returns what the first engine's ranks answered (vLLM returns one engine's)."""
     body = json.dumps({"method": "inject_p_faults",
                        "kwargs": {"stall": stall, "fail_epoch": fail_epoch,
-                                  "slow_boundary_s": slow_boundary_s}}).encode()
+                                  "slow_boundary_s": slow_boundary_s,
+                                  "fail_at": fail_at}}).encode()
     request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:

@@ -75,6 +75,13 @@ class AInferPDConfig:
     # low-latency kernels, launched beside them, still find SMs: 24 of an H200's 132. Checked
     # against the device's SM count when the worker builds the buffers.
     p_deepep_sms: int = 24
+    # The epoch gate at DP > 1 (docs/turnstile.md, the round plan): P epochs run in lockstep over
+    # the DP ranks, so a round opens one only once the lane tokens queued over all ranks fill
+    # `epoch_gate_fill` of (DP size x max_num_batched_tokens), or the oldest has waited
+    # `epoch_gate_rounds` D iterations, or no rank has decode rows. 0 opens at once (no gate).
+    # Not used at DP = 1.
+    epoch_gate_fill: float = 0.75
+    epoch_gate_rounds: int = 64
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -106,6 +113,12 @@ class AInferPDConfig:
             )
         if not self.timeout_s > 0:
             raise ConfigError(f"ainfer_pd.timeout_s={self.timeout_s!r} must be > 0")
+        if not 0.0 <= self.epoch_gate_fill <= 1.0:
+            raise ConfigError(f"ainfer_pd.epoch_gate_fill={self.epoch_gate_fill!r} must be in "
+                              f"[0, 1] (a fraction of DP size x max_num_batched_tokens)")
+        if self.epoch_gate_rounds < 1:
+            raise ConfigError(f"ainfer_pd.epoch_gate_rounds={self.epoch_gate_rounds!r} must be "
+                              f">= 1 (D iterations the oldest queued lane work may wait)")
         if self.p_deepep_sms < 2 or self.p_deepep_sms % 2:
             raise ConfigError(f"ainfer_pd.p_deepep_sms={self.p_deepep_sms!r} must be a positive "
                               f"even number (DeepEP runs one channel per two SMs)")

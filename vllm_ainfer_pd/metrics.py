@@ -55,6 +55,12 @@ COUNTERS = {
                           "normal-mode dispatches (docs/deepep.md)."),
     "phase_ep_rebuilds": ("vllm_ainfer_pd_phase_ep_rebuilds", "Rebuilds of P's own "
                           "expert-parallel state after a failed epoch that used it."),
+    "gate_waits": ("vllm_ainfer_pd_gate_waits", "DP rounds with lane work queued in which the "
+                   "epoch gate kept the epoch closed."),
+    "epoch_max_rank_tokens": ("vllm_ainfer_pd_epoch_max_rank_tokens", "Over DP epochs: the "
+                              "sum of the fullest rank's P tokens."),
+    "epoch_all_rank_tokens": ("vllm_ainfer_pd_epoch_all_rank_tokens", "Over DP epochs: the sum "
+                              "of every rank's P tokens."),
     "p_device_s": ("vllm_ainfer_pd_p_device_seconds", "Device time of P's segments "
                    "(overlap_timing only)."),
     "p_overlap_s": ("vllm_ainfer_pd_p_overlap_seconds", "Part of P's device time during which "

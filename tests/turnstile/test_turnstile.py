@@ -17,6 +17,7 @@ from vllm_ainfer_pd.turnstile import (
     FixedSpan,
     Load,
     LoadSelectedSpan,
+    NullRendezvous,
     OrderingMode,
     RendezvousTimeout,
     SegmentController,
@@ -219,10 +220,17 @@ def test_global_complete_fences_each_finished_epoch_once_before_its_rendezvous()
     assert ranks[0].log == ranks[1].log
 
 
-def test_global_complete_requires_a_device_fence():
+def test_global_complete_pre_d_requires_a_device_fence():
+    """A finished epoch meets `pre_d` in global-complete mode: without a fence it is an error, not
+    an unfenced round (the P lane fences where its round plan ends an epoch, and never calls
+    `pre_d`)."""
+    controller = SegmentController()
+    turnstile = Turnstile(controller, NullRendezvous(5.0), mode="global-complete")
+    turnstile.open_epoch(0, d_enqueued=True)
+    controller.reach(0, 0)
+    controller.finish(0)
     with pytest.raises(ValueError, match="device_fence"):
-        Turnstile(SegmentController(), ShmRendezvous.__new__(ShmRendezvous),
-                  mode="global-complete")
+        turnstile.pre_d()
 
 
 def test_ordering_modes_differ_only_in_span_and_fence():

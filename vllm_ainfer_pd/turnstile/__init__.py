@@ -12,6 +12,7 @@ from vllm_ainfer_pd.turnstile.controller import (
     TaskState,
 )
 from vllm_ainfer_pd.turnstile.errors import (
+    DrainTimeout,
     EpochActiveError,
     EpochCancelled,
     MissingProducerError,
@@ -53,6 +54,7 @@ from vllm_ainfer_pd.turnstile.route import RouteDecision, StreamRoute, crosses
 from vllm_ainfer_pd.turnstile.turnstile import RoundRecord, Turnstile
 
 __all__ = [
+    "DrainTimeout",
     "HOST_ID_ENV",
     "RENDEZVOUS_KINDS",
     "UNBOUNDED",

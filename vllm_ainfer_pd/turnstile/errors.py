@@ -69,6 +69,12 @@ class ProducerFailed(ProtocolError):
     """The producer reported a failure; the original exception is the `__cause__`."""
 
 
+class DrainTimeout(ProtocolError):
+    """An ended epoch's P did not stop in time: its thread did not exit, its device work did not
+    complete, or its expert-parallel state could not be rebuilt (a peer left a collective
+    half-issued). Its KV blocks are not freed: the engine must stop."""
+
+
 # --- rendezvous -------------------------------------------------------------------------------
 
 

@@ -41,8 +41,10 @@ class Turnstile:
     """Composes a `SegmentController`, a `Rendezvous`, a `SegmentPolicy` and an `OrderingMode`.
 
     `device_fence(epoch)` blocks until the finished epoch's P work completed on the device; it is
-    required by, and only called in, `global-complete` mode (once per epoch, before the rendezvous
-    that follows the epoch's completion). `policy` defaults to a fixed span of 1; it must be fed
+    only called in `global-complete` mode (once per epoch, before the rendezvous that follows the
+    epoch's completion). A caller that runs its rounds from the parts (`rendezvous`, `release`)
+    instead of `pre_d` / `post_d`, as the P lane does with its round plan, fences where its
+    epochs end and passes none. `policy` defaults to a fixed span of 1; it must be fed
     rank-shared `Load` figures so that every rank releases the same K.
     """
 
@@ -54,8 +56,6 @@ class Turnstile:
         self.rendezvous = rendezvous
         self.policy = policy or FixedSpan(1)
         self.mode = OrderingMode.parse(mode)
-        if self.mode.fences_device and device_fence is None:
-            raise ValueError("ordering mode 'global-complete' needs a device_fence callable")
         self.device_fence = device_fence
         self._fenced: int | None = None
 
@@ -81,7 +81,9 @@ class Turnstile:
         p_wait = time.perf_counter() - start
         if (self.mode.fences_device and status.state is TaskState.DONE
                 and status.epoch != self._fenced):
-            assert self.device_fence is not None and status.epoch is not None
+            if self.device_fence is None:
+                raise ValueError("ordering mode 'global-complete' needs a device_fence for "
+                                 "Turnstile.pre_d (or a caller that fences where its epochs end)")
             self.device_fence(status.epoch)
             self._fenced = status.epoch
         waited = self.rendezvous.pre_d(payload)
@@ -96,6 +98,11 @@ class Turnstile:
         self.rendezvous.post_d(payload)
         if callable(load):
             load = load(self.rendezvous.payloads)
+        return self.controller.advance(self.mode.span(self.policy, load))
+
+    def release(self, load: Load | None = None) -> SegmentStatus:
+        """Release the next P segment: the span the mode and policy give for `load` (which must
+        be the same on every rank)."""
         return self.controller.advance(self.mode.span(self.policy, load))
 
     @contextlib.contextmanager

@@ -77,3 +77,62 @@ def _routed(collective: Any) -> Any:
             _ROUTE.depth = 0
 
     return wrapper
+
+
+def stand_in(group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
+    """What a collective that is not issued returns: a tensor of the shape the real one returns
+    (its values mean nothing). Only a failed epoch's no-work replay uses it, for the collectives
+    this rank issued before it failed (`PThread`): its peers already paired them, and the replay
+    issues the rest."""
+    import inspect
+
+    import torch
+
+    name = collective.__name__
+    bound = inspect.signature(collective).bind(group, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    world, rank = group.world_size, group.rank_in_group
+
+    def gathered(t: torch.Tensor, dim: int, sizes: list[int] | None) -> torch.Tensor:
+        if sizes is None:
+            return torch.cat([t] * world, dim=dim)
+        shape = list(t.shape)
+        shape[dim] = sum(sizes)
+        return t.new_zeros(shape)
+
+    def scattered(t: torch.Tensor, dim: int, sizes: list[int] | None) -> torch.Tensor:
+        if sizes is None:
+            return t.chunk(world, dim=dim)[rank].clone()
+        return t.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone()
+
+    if name == "_all_reduce_out_place":
+        return a["input_"].clone()
+    if name == "all_gather":
+        return gathered(a["input_"], a["dim"], None)
+    if name == "all_gatherv":
+        inputs = a["input_"]
+        if isinstance(inputs, (list, tuple)):
+            return [gathered(t, a["dim"], a["sizes"]) for t in inputs]
+        return gathered(inputs, a["dim"], a["sizes"])
+    if name == "reduce_scatter":
+        return scattered(a["input_"], a["dim"], None)
+    if name == "reduce_scatterv":
+        return scattered(a["input_"], a["dim"], a["sizes"])
+    if name in ("dispatch_router_logits", "dispatch", "combine"):
+        if a["is_sequence_parallel"]:
+            raise NotImplementedError(f"no stand-in for a sequence-parallel {name}")
+        from vllm.forward_context import get_forward_context
+
+        sizes = get_forward_context().dp_metadata.num_tokens_across_dp_cpu.tolist()
+        dp_rank = group.rank_in_group // (world // len(sizes))
+        if name == "combine":
+            t = a["hidden_states"]
+            return t.narrow(0, sum(sizes[:dp_rank]), sizes[dp_rank]).clone()
+        names = (("hidden_states", "router_logits") if name == "dispatch_router_logits"
+                 else ("hidden_states", "topk_weights", "topk_ids"))
+        out = [gathered(a[n], 0, sizes) for n in names]
+        if a["extra_tensors"] is not None:
+            out.append([gathered(t, 0, sizes) for t in a["extra_tensors"]])
+        return tuple(out)
+    raise NotImplementedError(f"no stand-in for the collective {name}")

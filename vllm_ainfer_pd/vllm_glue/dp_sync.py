@@ -1,16 +1,21 @@
-"""One more row in vLLM's per-forward DP synchronisation: each DP rank's queued P tokens.
+"""Two more rows in vLLM's per-forward DP synchronisation: each DP rank's queued P tokens and
+its decode rows.
 
 At DP > 1, vLLM all-reduces a small [4, dp_size] int32 tensor before every forward, real or
 dummy, on every DP rank (`vllm.v1.worker.dp_utils._run_ar`: tokens, padded tokens,
 micro-batching, CUDA-graph mode; the drafters call it too), and reads it back on the host. The
-P lane needs one rank-consistent bit per round, "does any rank have P queued?", to skip its
-rendezvous in rounds where none has: a rank-local answer would let one rank enter a rendezvous
-its peers skip. Carrying each rank's queued P tokens as a fifth row costs no extra
-synchronisation: every rank reads the same all-reduced row, after the same sequence of forwards.
+P lane needs rank-consistent inputs every round to decide, without a rendezvous, whether the
+round may open an epoch (the epoch gate, `turnstile/round_plan.py`): a rank-local answer would
+let one rank enter a rendezvous its peers skip. Carrying each rank's queued P tokens and decode
+rows as rows 5 and 6 costs no extra synchronisation: every rank reads the same all-reduced rows,
+after the same sequence of forwards.
 
-`install()` patches `_run_ar` once per process (a copy of vLLM 0.26's body with the extra row);
-`set_source(fn)` names what the row carries on this rank (the lane's queued P tokens); without a
-source the stock function runs. `queued_p_tokens()` is the row of the last all-reduce.
+`install()` patches `_run_ar` once per process (a copy of vLLM 0.26's body with the extra rows);
+the patched function copies the reduced tensor to the host once, where vLLM's post-processing
+would read it (`.item()`) anyway, and hands vLLM its four rows on the host, so the lane's rows
+add no device synchronisation. `set_source(fn)` names what the rows carry on this rank (the
+lane's queued P tokens and decode rows); without a source the stock function runs.
+`lane_rows()` gives the rows of the last all-reduce.
 """
 
 from __future__ import annotations
@@ -30,22 +35,22 @@ PATCHES = [
           ("parallel_config",), does="calls"),
 ]
 
-_source: Callable[[], int] | None = None
-_last_row: torch.Tensor | None = None  # row 4 of the last all-reduce (device or CPU)
+_source: Callable[[], tuple[int, int]] | None = None
+_last_rows: list[list[int]] | None = None  # rows 5 and 6 of the last all-reduce, on the host
 
 
-def set_source(source: Callable[[], int] | None) -> None:
-    """What this rank contributes to the row. Every DP rank must set one (or none) at the same
-    point of its start-up, before the forwards that follow: the tensors must match in shape."""
-    global _source, _last_row
-    _source, _last_row = source, None
+def set_source(source: Callable[[], tuple[int, int]] | None) -> None:
+    """What this rank contributes to the rows: (queued P tokens, decode rows). Every DP rank must
+    set one (or none) at the same point of its start-up, before the forwards that follow: the
+    tensors must match in shape."""
+    global _source, _last_rows
+    _source, _last_rows = source, None
 
 
-def queued_p_tokens() -> list[int] | None:
-    """Every DP rank's queued P tokens as of the last forward's all-reduce (the same list on every
-    rank), or None before the first one. vLLM has already read the tensor back on the host, so
-    this adds no device synchronisation."""
-    return None if _last_row is None else _last_row.tolist()
+def lane_rows() -> tuple[list[int], list[int]] | None:
+    """Every DP rank's queued P tokens and decode rows as of the last forward's all-reduce (the
+    same lists on every rank), or None before the first one."""
+    return None if _last_rows is None else (_last_rows[0], _last_rows[1])
 
 
 def install() -> None:
@@ -57,23 +62,24 @@ def install() -> None:
 
     def _run_ar(should_ubatch, orig_num_tokens_per_ubatch, padded_num_tokens_per_ubatch,
                 cudagraph_mode, parallel_config):
-        global _last_row
+        global _last_rows
         if _source is None:
             return stock(should_ubatch, orig_num_tokens_per_ubatch,
                          padded_num_tokens_per_ubatch, cudagraph_mode, parallel_config)
         dp_size = parallel_config.data_parallel_size
         dp_rank = parallel_config.data_parallel_rank
         device, group = dp_utils._get_device_and_group(parallel_config)
-        tensor_cpu = torch.zeros(5, dp_size, dtype=torch.int32)
+        tensor_cpu = torch.zeros(6, dp_size, dtype=torch.int32)
         tensor_cpu[0][dp_rank] = orig_num_tokens_per_ubatch
         tensor_cpu[1][dp_rank] = padded_num_tokens_per_ubatch
         tensor_cpu[2][dp_rank] = 1 if should_ubatch else 0
         tensor_cpu[3][dp_rank] = cudagraph_mode
-        tensor_cpu[4][dp_rank] = _source()
+        tensor_cpu[4][dp_rank], tensor_cpu[5][dp_rank] = _source()
         tensor = tensor_cpu.to(device, non_blocking=True)
         torch.distributed.all_reduce(tensor, group=group)
-        _last_row = tensor[4]
-        return tensor[:4]  # vLLM's rows, as its post-processing expects them
+        host = tensor.cpu()  # the one read vLLM's post-processing makes anyway
+        _last_rows = host[4:].tolist()
+        return host[:4]  # vLLM's rows, as its post-processing expects them
 
     _run_ar._ainfer_pd = True
     dp_utils._run_ar = _run_ar

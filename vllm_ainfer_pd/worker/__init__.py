@@ -130,6 +130,7 @@ class AInferPDWorker(_platform_worker_cls()):
         if lane is None or not (self._dp_size == 1 or d_tokens > 0):
             return super().execute_model(scheduler_output)
         lane.before_d()
+        lane.d_rows = len(scheduler_output.num_scheduled_tokens)  # read by this forward's DP sync
         output = super().execute_model(scheduler_output)
         round_end = (self._load(scheduler_output), d_tokens)
         if output is None:
@@ -152,6 +153,7 @@ class AInferPDWorker(_platform_worker_cls()):
         if lane is None:
             return super().execute_dummy_batch()
         lane.before_d()
+        lane.d_rows = 0
         super().execute_dummy_batch()  # vLLM's dummy forward runs the drafter's dummy too
         self._end_round(None, 0)
 

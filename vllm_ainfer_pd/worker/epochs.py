@@ -11,10 +11,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_ainfer_pd.turnstile import DrainTimeout
 from vllm_ainfer_pd.wire import JobKey, PJob, PLaneMetadata, Report
 from vllm_ainfer_pd.worker.lane_stats import LaneStats
 
@@ -36,17 +38,29 @@ class Epoch:
     # DP > 1: P tokens of each DP rank in this epoch (0: a matched no-work epoch), else None.
     dp_counts: list[int] | None = None
     reached: int = -1  # the last boundary P published
+    collectives: int = 0  # P collectives issued (stand-ins of a replay not counted)
+    # A failed rank's no-work replay (p_thread.py): boundaries up to `replay_from` and the first
+    # `skip` collectives were already issued before the failure.
+    replay_from: int = -1
+    skip: int = 0
+    drain_deadline: float = 0.0  # a closed epoch's device work must have drained by then
+    failed: bool = False
 
 
 class Epochs:
     """Invariant: every job the lane accepts is reported exactly once, after its P work has
     drained: completed (its epoch's device work finished), cancelled (at once if it had not
-    started, else with the epoch it runs in), or failed (with its epoch, together with the queued
-    rest of a prompt split over that epoch)."""
+    started, else with the epoch it runs in), or failed (with its epoch once that epoch's device
+    work finished, together with the queued rest of a prompt split over that epoch). An epoch
+    whose device work has not finished `timeout_s` after it closed raises `DrainTimeout`: its
+    blocks are never handed back while P may still write them."""
 
-    def __init__(self, max_epoch_tokens: int, stats: LaneStats) -> None:
+    def __init__(self, max_epoch_tokens: int, stats: LaneStats, rank: int = 0,
+                 timeout_s: float = 120.0) -> None:
         self.max_epoch_tokens = max_epoch_tokens
         self.stats = stats
+        self.rank = rank
+        self.timeout_s = timeout_s
         self.pending: collections.deque[PJob] = collections.deque()
         self.split: dict[JobKey, Epoch] = {}
         self.cancelled: set[JobKey] = set()
@@ -117,19 +131,19 @@ class Epochs:
         """The open epoch, no longer open (its host work is over: `fail` or `finish` it)."""
         epoch, self.current = self.current, None
         assert epoch is not None
+        epoch.drain_deadline = time.monotonic() + self.timeout_s
         return epoch
 
     def fail(self, epoch: Epoch) -> None:
-        """Report the epoch's jobs failed, with the queued rest of any prompt split over it."""
-        failed_jobs = list(epoch.jobs)
+        """The epoch failed: its jobs, with the queued rest of any prompt split over it, are
+        reported failed once its device work is done."""
         for job in list(self.pending):
             if self.split.get(job.key) is epoch:
                 del self.split[job.key]
                 self.pending.remove(job)
-                failed_jobs.append(job)
-        for job in failed_jobs:
-            self.reports.append((job, True))
-        self.stats.jobs_failed += len(failed_jobs)
+                epoch.jobs.append(job)
+        epoch.failed = True
+        self.finish(epoch)
 
     def finish(self, epoch: Epoch) -> None:
         """The epoch's host work is done; its jobs are reported once its device work is."""
@@ -141,7 +155,16 @@ class Epochs:
         still = []
         for epoch in self.finishing:
             if epoch.event is not None and not epoch.event.query():
+                if time.monotonic() > epoch.drain_deadline:
+                    raise DrainTimeout(
+                        "P's device work did not complete", rank=self.rank, epoch=epoch.id,
+                        detail=f"waited {self.timeout_s:.3g} s after the epoch ended; its "
+                               f"{len(epoch.jobs)} jobs keep their KV blocks")
                 still.append(epoch)
+                continue
+            if epoch.failed:
+                self.reports.extend((job, True) for job in epoch.jobs)
+                self.stats.jobs_failed += len(epoch.jobs)
                 continue
             for job in epoch.jobs:
                 self.reports.append((job, False))

@@ -20,6 +20,11 @@ class FaultHooks:
         rank; before boundary 1 (layer 0's attention) no rank has begun a collective its peers
         would wait in."""
 
+    def at_collective(self, rank: int, epoch: int, index: int) -> None:
+        """P thread, before P issues its collective number `index` of `epoch` (counted from 0).
+        Raising fails this rank's part of the epoch between two collectives of a segment, where
+        its peers go on issuing the segment's rest."""
+
     def preparing_batch(self, rank: int, epoch: int) -> None:
         """P thread, while P prepares `epoch`'s batch. Raising fails this rank's jobs; at DP > 1
         the rank still runs the dummy tokens it announced, so its peers' collectives complete."""

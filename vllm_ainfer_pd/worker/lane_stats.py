@@ -32,6 +32,12 @@ class LaneStats:
     # dispatches. Updated when an epoch ends.
     p_collectives_own: int = 0
     phase_ep_rebuilds: int = 0  # P's own state rebuilt after a failed epoch that used it
+    # DP > 1, the epoch gate (round_plan.EpochGate): rounds with lane work queued on some rank in
+    # which the gate kept the epoch closed; over the epochs opened, the sum of the fullest
+    # rank's tokens and of all ranks' tokens (rank utilisation = all / (DP x fullest)).
+    gate_waits: int = 0
+    epoch_max_rank_tokens: int = 0
+    epoch_all_rank_tokens: int = 0
     # With `overlap_timing` on GPU: P's device time and the part of it D overlapped (overlap.py).
     p_device_s: float = 0.0
     p_overlap_s: float = 0.0

@@ -29,14 +29,17 @@ import torch
 
 from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.turnstile import (
+    DrainTimeout,
     Load,
     NullRendezvous,
+    ProtocolError,
     Rendezvous,
     SegmentController,
     TaskState,
     Turnstile,
     make_policy,
 )
+from vllm_ainfer_pd.turnstile.round_plan import EpochGate, PostD, PreD, PState, plan_round
 from vllm_ainfer_pd.vllm_glue import dp_sync, forward_context
 from vllm_ainfer_pd.wire import PLaneMetadata, Report
 from vllm_ainfer_pd.worker.epochs import Epochs, tokens
@@ -54,9 +57,6 @@ logger = logging.getLogger(__name__)
 # this often (seconds; Python's default is 5 ms): the main thread, woken by D's GPU work, should
 # not wait a whole default interval for the P thread to yield the GIL.
 P_SWITCH_INTERVAL_S = 0.0005
-# In the post-D payload's first word (a rank's next-epoch tokens, far below it): this rank's P
-# expert-parallel state is retired, so every rank rebuilds it in this round (docs/deepep.md).
-RETIRED_BIT = 1 << 40
 
 
 def load_spans(num_boundaries: int) -> tuple[int, ...]:
@@ -100,22 +100,29 @@ class PLane(LaneRound):
             make_policy(config.segment_policy, k=config.segment_span,
                         spans=load_spans(self.num_boundaries)),
             config.ordering,
-            # The lane ends an epoch when D sees P's end (`_wait_for_p`), so it fences there
-            # (`_end_epoch`); the turnstile's own pre-D fence never sees a finished epoch.
-            device_fence=lambda epoch: None,
         )
-        self.epochs = Epochs(runner.vllm_config.scheduler_config.max_num_batched_tokens,
-                             self.stats)
+        budget = runner.vllm_config.scheduler_config.max_num_batched_tokens
+        self.epochs = Epochs(budget, self.stats, rank, config.timeout_s)
         self.faults: FaultHooks | None = None
+        world_size = self.turnstile.rendezvous.world_size
+        # Peers share P's collectives: a failure on this rank replays them (p_thread.py) until
+        # the round plan ends the epoch on every rank.
+        self.p_thread.replay_failures = world_size > 1
         # DP > 1: all DP ranks open an epoch together (P's MoE collectives span the EP group; a
-        # rank with no P runs a matched no-work epoch of one dummy token). Whether any rank has
-        # P queued rides in vLLM's per-forward DP all-reduce (dp_sync); a round that opens an
-        # epoch shares each rank's next-epoch tokens in its post-D rendezvous.
+        # rank with no P runs a matched no-work epoch of one dummy token). Each rank's queued
+        # lane tokens and decode rows ride in vLLM's per-forward DP all-reduce (dp_sync), so the
+        # epoch gate reads the same inputs on every rank without a rendezvous; a round the gate
+        # opens shares each rank's exact next-epoch tokens in its post-D rendezvous.
         self.synced = dp_size > 1
+        self.gate = EpochGate(config.epoch_gate_fill, config.epoch_gate_rounds)
+        self.budget = budget
+        self.waited_rounds = 0  # rounds since the rows first showed queued lane work
+        self.d_rows = 0  # this forward's decode rows (set by the worker before each forward)
         if self.synced:
             dp_sync.install()
-            dp_sync.set_source(self.epochs.next_epoch_tokens)
-        self.ranks_per_dp = self.turnstile.rendezvous.world_size // dp_size
+            dp_sync.set_source(lambda: (self.epochs.next_epoch_tokens(), self.d_rows))
+        self.ranks_per_dp = world_size // dp_size
+        self._pre: list[PreD] = []  # every rank's pre-D payload of this round
         if self.p_thread.p_stream is not None:
             logger.info("P lane on rank %d: stream priorities %s (lower is higher)", rank,
                         self.stream_priorities())
@@ -175,7 +182,6 @@ class PLane(LaneRound):
         epoch = self.epochs.current
         if epoch is not None and not self.handoff:
             self._wait_for_p()  # P's segment ran beside D's step; D waits for its stop here
-            epoch = self.epochs.current
         if self.overlap is not None and (epoch is not None or self.epochs.finishing):
             self.overlap.start("d")
         if epoch is None:
@@ -183,70 +189,93 @@ class PLane(LaneRound):
         if self.faults is not None:
             self.faults.before_pre_d(self.rank, self.turnstile.rendezvous.round,
                                      self.config.timeout_s)
-        record = self.turnstile.pre_d()
-        self.stats.d_wait_s += record.p_wait_s
-        self._met(record.rendezvous_s)
+        self._pre_d()
         self.stats.rounds += 1
 
     def after_d(self, load: Load | None = None, d_tokens: int = 0) -> None:
-        """Release P's next segment after this round's D, or open an epoch for queued jobs; with
-        the hand-off, wait until P stops again (its host work for the segment is done)."""
+        """The post-D rendezvous and the round plan (`turnstile/round_plan.py`) with an epoch
+        open, or in a round that may open one; then the plan's release, end, rebuild or opening
+        on every rank alike. With the hand-off, wait until P stops again (its host work for the
+        segment is done)."""
         if self.overlap is not None:
             self.overlap.end("d")
             p_s, overlap_s = self.overlap.collect()
             self.stats.p_device_s += p_s
             self.stats.p_overlap_s += overlap_s
-        if self.synced:
-            if self.epochs.current is None:
-                if not any(dp_sync.queued_p_tokens() or ()):
-                    return  # no rank has P queued: a free round
-                # An opening round: all ranks meet in both phases (the rendezvous keeps them in
-                # order), and the post-D phase carries each rank's exact next-epoch tokens.
-                self._met(self.turnstile.pre_d().rendezvous_s)
-            load = self._post_d_synced(load or Load())
-            if self.epochs.current is None:
-                payloads = self.turnstile.rendezvous.payloads
-                if self.phase_ep is not None and any(p[0] & RETIRED_BIT for p in payloads):
-                    self._rebuild_phase_ep()  # on every rank, at this same point
-                counts = [p[0] & ~RETIRED_BIT for p in payloads]
-                if not any(counts):
+        load = load or Load()
+        epoch_open = self.epochs.current is not None
+        if not epoch_open:
+            if not self.synced:
+                # DP = 1: every rank of the replica sees the same scheduler output, so the same
+                # queue: the epoch opens on all of them with no rendezvous.
+                if not self.epochs.pending:
                     return
-                self._open_epoch(load, counts[:: self.ranks_per_dp])
-        elif self.epochs.current is not None:
-            start = time.perf_counter()
-            self.turnstile.post_d(load)
-            self._met(time.perf_counter() - start)
-        elif self.epochs.pending:
-            self._open_epoch(load)
+                self._open_epoch(load)
+                self._released(d_tokens)
+                return
+            if not self._gate_opens():
+                return  # a free round: no rank meets, on every rank alike
+            # An opening round: all ranks meet in both phases (the rendezvous keeps them in
+            # order), and the post-D phase carries each rank's exact next-epoch tokens.
+            self._pre_d()
+        post = PostD(self.epochs.next_epoch_tokens(), load)
+        start = time.perf_counter()
+        self.turnstile.rendezvous.post_d(post.encode())
+        self._met(time.perf_counter() - start)
+        posts = [PostD.decode(p) for p in self.turnstile.rendezvous.payloads]
+        plan = plan_round(self._pre, posts, epoch_open=epoch_open,
+                          ranks_per_dp=self.ranks_per_dp, rank=self.rank)
+        if plan.end:
+            self._end_epoch(failed=plan.failed)
+        if plan.rebuild:
+            self._rebuild_phase_ep()  # on every rank, at this same point
+        if plan.release:
+            self.turnstile.release(plan.load)
+        elif plan.open is not None:
+            self.waited_rounds = 0
+            self._open_epoch(plan.load, list(plan.open) if self.synced else None)
         else:
             return
+        self._released(d_tokens)
+
+    def _released(self, d_tokens: int) -> None:
+        """A segment was released (or an epoch opened with its first one)."""
         self.stats.segments += 1
         if d_tokens:
             self.stats.segments_after_d += 1
         if self.handoff:
             self._wait_for_p()
 
-    def _post_d_synced(self, load: Load) -> Load:
-        """The post-D rendezvous of a DP round: share the tokens of each rank's next epoch and the
-        load (the max over ranks, so every rank picks the same K); release the next segment if an
-        epoch is open."""
-        # The tokens this rank's next epoch takes become its entry in P's DP metadata, which
-        # vLLM checks against P's batch.
-        next_epoch = self.epochs.next_epoch_tokens()
-        if self.phase_ep is not None and self.phase_ep.retired:
-            next_epoch |= RETIRED_BIT  # the payload holds four ints: the flag rides in the first
-        payload = (next_epoch, *(round(x * 1e6) for x in
-                                 (load.d_occupancy, load.p_pressure, load.epoch_size)))
-        shared: list[Load] = []
+    def _gate_opens(self) -> bool:
+        """DP > 1 with no epoch open: whether this round meets to open one (`EpochGate`), from
+        the rows of vLLM's DP all-reduce: the same inputs, and so the same answer, on every
+        rank."""
+        rows = dp_sync.lane_rows()
+        if rows is None:
+            return False
+        queued, decoding = rows
+        self.waited_rounds = self.waited_rounds + 1 if any(queued) else 0
+        opens = self.gate.opens(queued, decoding, self.waited_rounds, self.budget)
+        if any(queued):
+            self.stats.gate_waits += not opens
+        return opens
 
-        def shared_load(payloads: list[tuple[int, ...]]) -> Load:
-            shared.append(Load(*(max(p[i] for p in payloads) / 1e6 for i in (1, 2, 3))))
-            return shared[0]
-
+    def _pre_d(self) -> None:
+        """The pre-D rendezvous, carrying this rank's P state (P has stopped)."""
+        epoch = self.epochs.current
+        retired = self.phase_ep is not None and self.phase_ep.retired
+        if epoch is None:
+            mine = PreD(retired=retired)
+        else:
+            status = self.controller.status()
+            failed = epoch.error is not None or status.state is TaskState.FAILED
+            state = PState.FAILED if failed else (
+                PState.DONE if status.state is TaskState.DONE else PState.PARKED)
+            mine = PreD(state, status.reached, retired)
         start = time.perf_counter()
-        self.turnstile.post_d(shared_load, payload)
+        self.turnstile.rendezvous.pre_d(mine.encode())
         self._met(time.perf_counter() - start)
-        return shared[0]
+        self._pre = [PreD.decode(p) for p in self.turnstile.rendezvous.payloads]
 
     def _met(self, seconds: float) -> None:
         """Count one rendezvous phase and the time it took."""
@@ -254,35 +283,50 @@ class PLane(LaneRound):
         self.stats.rendezvous_phases += 1
 
     def _wait_for_p(self) -> None:
-        """D waits until P stopped: parked at its permit, or at the end of its epoch (which then
-        ends here; a failed one fails its jobs and D goes on)."""
+        """D waits until P stopped: parked at its permit, at the end of its forward, or failed.
+        Only the round plan ends the epoch."""
         start = time.perf_counter()
         try:
-            status = self.controller.wait_parked()
-        except Exception as exc:  # noqa: BLE001 - the producer failed: its jobs fail, D goes on
-            self.stats.d_wait_s += time.perf_counter() - start
-            self._end_epoch(failed=exc)
-            return
-        self.stats.d_wait_s += time.perf_counter() - start
-        if status.state is not TaskState.PARKED:
+            self.controller.wait_parked()
+        except ProtocolError as exc:  # failed where no replay could match its peers, or hung
             epoch = self.epochs.current
-            self._end_epoch(failed=epoch.error if epoch else None)
+            if epoch is not None and epoch.error is None:
+                epoch.error = exc
+        self.stats.d_wait_s += time.perf_counter() - start
 
     def _rebuild_phase_ep(self) -> None:
         """Rebuild P's expert-parallel state (collective over the world: every rank calls it in
-        the same opening round), after P's device work drained: no epoch is open, and a GPU
-        communicator or DeepEP buffer must not be destroyed under a running kernel."""
+        the same round, by the plan), after P's device work drained: no epoch is open, and a GPU
+        communicator or DeepEP buffer must not be destroyed under a running kernel. The drain is
+        bounded: P's stream must go idle within `timeout_s`."""
         from vllm.config import set_current_vllm_config
 
-        drain = torch.cuda.synchronize if self.p_thread.p_stream is not None else None
+        p_stream = self.p_thread.p_stream
+        drain = None
+        if p_stream is not None:
+            def drain() -> None:
+                self._bounded("P's stream to drain before the rebuild", p_stream.query)
+
         with set_current_vllm_config(self.vllm_config):
             self.phase_ep.rebuild(drain)
         self.stats.phase_ep_rebuilds += 1
         logger.info("P lane rank %d: P's expert-parallel state rebuilt (%s)", self.rank,
                     self.phase_ep.kind)
 
+    def _bounded(self, what: str, done: Any) -> None:
+        """Poll `done()` until it is true, for at most `timeout_s`; else `DrainTimeout`."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise DrainTimeout(f"waited for {what}", rank=self.rank, epoch=None,
+                                   detail=f"not done after {self.config.timeout_s:.3g} s")
+            time.sleep(0.001)
+
     def _open_epoch(self, load: Load | None, dp_counts: list[int] | None = None) -> None:
         epoch = self.epochs.open(dp_counts)
+        if dp_counts is not None:
+            self.stats.epoch_max_rank_tokens += max(dp_counts)
+            self.stats.epoch_all_rank_tokens += sum(dp_counts)
         if self.phase_ep is not None:
             self.phase_ep.open_epoch()
         self.turnstile.open_epoch(epoch.id, d_enqueued=True, load=load)
@@ -290,16 +334,24 @@ class PLane(LaneRound):
             sys.setswitchinterval(P_SWITCH_INTERVAL_S)
         self.p_thread.start(epoch)
 
-    def _end_epoch(self, failed: BaseException | None) -> None:
+    def _end_epoch(self, failed: bool) -> None:
+        """End the open epoch on this rank, as every rank does in this round (the plan's end). A
+        failed one's parked P is cancelled at its permit, where its peers stand too."""
         epoch = self.epochs.close()
+        if failed:
+            self.controller.cancel("the round plan ended the epoch as failed")
         epoch.thread.join(timeout=self.config.timeout_s)
+        if epoch.thread.is_alive():
+            raise DrainTimeout("P's thread did not exit after its epoch ended", rank=self.rank,
+                               epoch=epoch.id, detail=f"waited {self.config.timeout_s:.3g} s")
         self.controller.close()
         sys.setswitchinterval(self._switch_interval)
         if self.phase_ep is not None:
-            self.phase_ep.close_epoch(failed=failed is not None)
+            self.phase_ep.close_epoch(failed=failed)
             self.stats.p_collectives_own = self.phase_ep.own_collectives
-        if failed is not None:
-            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, failed)
+        if failed:
+            logger.error("P epoch %d failed (on this rank: %r); its jobs fail on every rank",
+                         epoch.id, epoch.error)
             self.epochs.fail(epoch)
             return
         if self.turnstile.mode.fences_device and epoch.event is not None:

@@ -22,11 +22,11 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker import workspace
 
-from vllm_ainfer_pd.turnstile import SegmentController
+from vllm_ainfer_pd.turnstile import EpochCancelled, SegmentController
 from vllm_ainfer_pd.turnstile.route import StreamRoute
 from vllm_ainfer_pd.vllm_glue import attention, collectives
 from vllm_ainfer_pd.worker import phase_state
-from vllm_ainfer_pd.worker.epochs import Epoch
+from vllm_ainfer_pd.worker.epochs import Epoch, tokens
 from vllm_ainfer_pd.worker.faults import FaultHooks
 from vllm_ainfer_pd.worker.lane_stats import LaneStats
 from vllm_ainfer_pd.worker.overlap import OverlapMeter
@@ -51,6 +51,8 @@ class PThread:
         self.overlap = overlap
         self.faults: FaultHooks | None = None
         self.phase_ep: PhaseEP | None = None  # P's own expert-parallel state (set by the lane)
+        # Set by the lane where other ranks share P's collectives: a failure replays (`_forward`).
+        self.replay_failures = False
         # Each attention call is a P boundary.
         self.num_boundaries = attention.install_boundaries(self.model, self.vllm_config,
                                                            log_drafter=rank == 0)
@@ -80,7 +82,7 @@ class PThread:
 
     def _run(self, epoch: Epoch) -> None:
         torch.set_num_threads(self._threads)
-        collectives.route_calling_thread(self.issue_collective)
+        collectives.route_calling_thread(functools.partial(self.issue_collective, epoch))
         attention.stop_calling_thread_at(functools.partial(self._boundary, epoch))
         phase_state.enter_p(self.p_workspace)  # P's own forward context and workspace
         error: BaseException | None = None
@@ -88,14 +90,18 @@ class PThread:
             self.controller.attach(epoch.id, name=threading.current_thread().name)
             self._mark_resumed(epoch)
             with torch.inference_mode(), self._stream():
-                self._boundary(epoch, 0)
-                if epoch.chunks or epoch.dp_counts is not None:
-                    self._forward(epoch)
+                try:
+                    self._boundary(epoch, 0)
+                    if epoch.chunks or epoch.dp_counts is not None:
+                        self._forward(epoch)
+                finally:
+                    # On every exit path: a failed or cancelled epoch's jobs are reported (their
+                    # KV blocks freed) only once the P work already queued on the device drained.
+                    if self.p_stream is not None:
+                        epoch.event = torch.cuda.Event()
+                        epoch.event.record(self.p_stream)
                 if self.overlap is not None:
                     self.overlap.end("p")
-                if self.p_stream is not None:
-                    epoch.event = torch.cuda.Event()
-                    epoch.event.record(self.p_stream)
             self._count_enqueue(epoch)
         except BaseException as exc:  # noqa: BLE001 - the main thread fails the epoch's jobs
             error = exc
@@ -109,7 +115,7 @@ class PThread:
                 return
             except BaseException as exc:  # noqa: BLE001 - as above
                 error = exc
-        epoch.error = error
+        epoch.error = epoch.error or error
         self.controller.fail(epoch.id, error)
 
     def _stream(self) -> Any:
@@ -121,8 +127,11 @@ class PThread:
     # ---- boundaries ---------------------------------------------------------------------------
 
     def _boundary(self, epoch: Epoch, boundary: int) -> None:
-        """Publish `boundary`; if it is the permit, park until the next release."""
-        if self.faults is not None:
+        """Publish `boundary`; if it is the permit, park until the next release. A replay passes
+        the boundaries it published before it failed."""
+        if boundary <= epoch.replay_from:
+            return
+        if self.faults is not None and epoch.error is None:
             self.faults.at_boundary(self.rank, epoch.id, boundary)
         epoch.reached = boundary
         if self.overlap is not None:
@@ -161,23 +170,31 @@ class PThread:
         without jobs runs one dummy token with no attention metadata (no KV written), so its MoE
         collectives match the other ranks' P.
 
-        At DP > 1 the other ranks' P runs this epoch's MoE collectives whatever this rank does, so
-        if this rank cannot prepare its batch it runs as many dummy tokens as it announced (no KV
-        written) before it fails: the peers' collectives complete and only its own jobs fail."""
-        if epoch.dp_counts is None:
-            self._run_model(epoch, self._prepare(epoch), None)
-            return
-        across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
-        announced = int(across_dp[self.dp_rank])
+        Where peers share P's collectives (`replay_failures`), a failure on this rank (its batch
+        cannot be prepared, or its forward raises at its own batch shape) does not end its part
+        of the epoch: it replays the forward on no-work tokens of the same count, with stand-ins
+        for the collectives it already issued and the boundaries it already published, so it
+        issues exactly the collectives its peers still issue and parks where they park. The
+        error stays on the epoch, and the round plan ends the epoch as failed on every rank."""
+        announced = tokens(epoch.chunks)
+        across_dp = None
+        if epoch.dp_counts is not None:
+            across_dp = torch.tensor([max(c, 1) for c in epoch.dp_counts], dtype=torch.int32)
+            announced = int(across_dp[self.dp_rank])
         try:
             batch = self._prepare(epoch)
-            if batch.num_tokens != announced:
+            if batch.num_tokens != announced and across_dp is not None:
                 raise RuntimeError(f"P's batch on rank {self.rank} has {batch.num_tokens} tokens, "
                                    f"but the rank announced {announced} to the DP group")
-        except Exception:
-            self._run_model(epoch, self.builder.no_work(announced), across_dp)
+            self._run_model(epoch, batch, across_dp)
+        except EpochCancelled:
             raise
-        self._run_model(epoch, batch, across_dp)
+        except Exception as exc:
+            if not self.replay_failures:
+                raise
+            epoch.error = exc
+            epoch.replay_from, epoch.skip = epoch.reached, epoch.collectives
+            self._run_model(epoch, self.builder.no_work(max(announced, 1)), across_dp)
 
     def _prepare(self, epoch: Epoch) -> PBatch:
         if self.faults is not None:
@@ -201,13 +218,25 @@ class PThread:
                 f"{self.num_boundaries - 1}: the attention hooks did not run"
             )
 
-    def issue_collective(self, group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
-        """A P collective (called on the P thread by vllm_glue/collectives.py's wrappers).
+    def issue_collective(self, epoch: Epoch, group: Any, collective: Any, args: tuple,
+                         kwargs: dict) -> Any:
+        """A P collective of `epoch` (called on the P thread by vllm_glue/collectives.py's
+        wrappers); in a replay, a stand-in for each one issued before the failure.
         On vLLM's communicators, shared with D, it runs on D's stream, after the D iteration the
         turnstile released this segment behind: their device state (NCCL's per-communicator
         order, custom all-reduce's signal flags) does not survive use from two streams at once.
         On P's own communicators (`phase_ep`, docs/deepep.md) it stays on P's stream, unless its
         group crosses one of D's (then only D's stream orders it against D's kernels)."""
+        if epoch.skip:
+            epoch.skip -= 1
+            return collectives.stand_in(group, collective, args, kwargs)
+        if self.faults is not None and epoch.error is None:
+            self.faults.at_collective(self.rank, epoch.id, epoch.collectives)
+        out = self._issue(group, collective, args, kwargs)
+        epoch.collectives += 1
+        return out
+
+    def _issue(self, group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
         name = group.unique_name
         own = self.phase_ep is not None and self.phase_ep.owns(group)
         if own:

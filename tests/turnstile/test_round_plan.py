@@ -1,0 +1,113 @@
+"""The round plan and the epoch gate: every rank's plan from every rank's payloads."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vllm_ainfer_pd.turnstile import Load
+from vllm_ainfer_pd.turnstile.round_plan import (
+    EpochGate,
+    PostD,
+    PreD,
+    PState,
+    RoundPlan,
+    RoundPlanMismatch,
+    plan_round,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+PARKED3 = PreD(PState.PARKED, 3)
+
+
+def post(*tokens: int, occupancy: float = 0.0) -> list[PostD]:
+    return [PostD(t, Load(d_occupancy=occupancy)) for t in tokens]
+
+
+def test_payloads_round_trip_through_rendezvous_ints():
+    for pre in (PreD(), PreD(PState.FAILED, 7, retired=True), PARKED3):
+        assert PreD.decode(pre.encode()) == pre
+    mine = PostD(1234, Load(0.25, 1.5, 0.125))
+    assert PostD.decode(mine.encode()) == mine
+    assert all(isinstance(w, int) for w in (*PARKED3.encode(), *mine.encode()))
+    assert len(mine.encode()) <= 4 and len(PARKED3.encode()) <= 4  # the rendezvous' payload
+
+
+def test_open_epoch_releases_while_every_rank_is_parked_at_the_same_boundary():
+    plan = plan_round([PARKED3] * 2, post(0, 0, occupancy=0.5), epoch_open=True, ranks_per_dp=1)
+    assert plan == RoundPlan(release=True, load=Load(d_occupancy=0.5))
+
+
+def test_one_failed_rank_ends_the_epoch_as_failed_on_every_rank():
+    """A failed rank replayed to where its peers parked: the plan ends the epoch, failed, for
+    all (a rank-local end would leave its peers in collectives it no longer issues)."""
+    pre = [PARKED3, PreD(PState.FAILED, 3)]
+    for order in itertools.permutations(pre):
+        assert plan_round(list(order), post(5, 0), epoch_open=True, ranks_per_dp=1) == \
+            RoundPlan(end=True, failed=True)
+    # Failed in the last segment, while its peers finished the forward.
+    assert plan_round([PreD(PState.DONE, 9), PreD(PState.FAILED, 9)], post(0, 0),
+                      epoch_open=True, ranks_per_dp=1).failed
+
+
+def test_all_done_ends_the_epoch_and_may_open_the_next_with_each_dp_ranks_tokens():
+    done = [PreD(PState.DONE, 9)] * 4
+    plan = plan_round(done, post(30, 30, 0, 0), epoch_open=True, ranks_per_dp=2)
+    assert plan == RoundPlan(end=True, open=(30, 0))
+    assert plan_round(done, post(0, 0, 0, 0), epoch_open=True, ranks_per_dp=2) == \
+        RoundPlan(end=True)
+
+
+def test_retired_state_is_rebuilt_before_any_epoch_opens():
+    plan = plan_round([PreD(), PreD(retired=True)], post(8, 8), epoch_open=False, ranks_per_dp=1)
+    assert plan == RoundPlan(rebuild=True)
+    assert plan_round([PreD(), PreD()], post(0, 8), epoch_open=False, ranks_per_dp=1) == \
+        RoundPlan(open=(0, 8))
+
+
+def test_ranks_stopped_apart_are_a_mismatch_naming_every_rank():
+    with pytest.raises(RoundPlanMismatch, match=r"rank 1: .*rank 0: parked at boundary 3, "
+                                                r"rank 1: parked at boundary 4"):
+        plan_round([PARKED3, PreD(PState.PARKED, 4)], post(0, 0), epoch_open=True,
+                   ranks_per_dp=1, rank=1)
+    with pytest.raises(RoundPlanMismatch, match="some done while others are parked"):
+        plan_round([PARKED3, PreD(PState.DONE, 9)], post(0, 0), epoch_open=True,
+                   ranks_per_dp=1)
+
+
+def test_every_rank_computes_the_same_plan_from_the_same_payloads():
+    """The plan reads nothing but its arguments: over many payload sets, each rank's call (its
+    own rank number the only difference) gives one plan."""
+    states = [PreD(), PARKED3, PreD(PState.DONE, 9), PreD(PState.FAILED, 3),
+              PreD(retired=True)]
+    for pre in itertools.product(states, repeat=3):
+        for epoch_open in (True, False):
+            plans = set()
+            for rank in range(3):
+                try:
+                    plans.add(plan_round(list(pre), post(4, 0, 9, occupancy=0.25),
+                                         epoch_open=epoch_open, ranks_per_dp=1, rank=rank))
+                except RoundPlanMismatch:
+                    plans.add("mismatch")
+            assert len(plans) == 1, (pre, epoch_open, plans)
+
+
+def test_gate_opens_when_full_after_the_deadline_or_with_no_decode():
+    gate = EpochGate(fill=0.75, deadline_rounds=64)
+    budget = 100
+    assert not gate.opens([0, 0], [3, 3], 10, budget)  # nothing queued
+    assert not gate.opens([100, 40], [3, 3], 1, budget)  # 140 of 200: below 75%
+    assert gate.opens([100, 60], [3, 3], 1, budget)  # 160 of 200
+    assert not gate.opens([500, 0], [3, 3], 1, budget)  # one rank's epoch takes 100 at most
+    assert gate.opens([10, 0], [3, 3], 64, budget)  # the deadline
+    assert gate.opens([10, 0], [0, 0], 1, budget)  # no rank decodes: nothing to wait beside
+    assert EpochGate(fill=0.0).opens([1, 0], [3, 3], 0, budget)  # no gate
+
+
+@pytest.mark.parametrize("fill, rounds, match", [(1.5, 1, "fill"), (-0.1, 1, "fill"),
+                                                (0.5, -1, "deadline")])
+def test_gate_rejects_bad_settings_by_name(fill, rounds, match):
+    with pytest.raises(ValueError, match=match):
+        EpochGate(fill, rounds)
