@@ -5,7 +5,9 @@ segment released too early would issue its collectives between D's and the draft
 
 `LLM(..., worker_extension_cls="ainfer_pd_testing.collective_log.CollectiveLog")`, then
 `llm.collective_rpc("start_collective_log", args=(prefix, delay_rank, delay_s))`; each rank
-appends one line per collective to `<prefix>.<world rank>` (flushed at once, so the files tell
+appends one line per collective to `<prefix>.<world rank>` (flushed at once, D's before it is
+issued and P's once issued, since a failed rank's replay returns stand-ins for the ones it issued
+before it failed; the files tell
 where ranks diverged even if the engine then hangs). `read_logs(prefix, ranks)` reads them back.
 """
 
@@ -33,6 +35,8 @@ class CollectiveLog:
         import torch.distributed as dist
         from vllm.distributed.parallel_state import GroupCoordinator
 
+        from vllm_ainfer_pd.vllm_glue import collectives
+
         rank = dist.get_rank()
         out = open(f"{prefix}.{rank}", "a", buffering=1)  # noqa: SIM115 - lives with the worker
         lock = threading.Lock()
@@ -40,12 +44,18 @@ class CollectiveLog:
         def record(collective):
             @functools.wraps(collective)
             def wrapper(group, *args, **kwargs):
-                phase = "P" if threading.current_thread().name.startswith(P_THREAD_PREFIX) \
-                    else "D"
-                with lock:
-                    out.write(f"{phase} {collective.__name__} {group.unique_name} "
-                              f"{_shape(args)}\n")
-                return collective(group, *args, **kwargs)
+                entry = f"{collective.__name__} {group.unique_name} {_shape(args)}"
+                if not threading.current_thread().name.startswith(P_THREAD_PREFIX):
+                    with lock:
+                        out.write(f"D {entry}\n")
+                    return collective(group, *args, **kwargs)
+                # P's, once issued: a failed rank's replay returns stand-ins for the ones it had
+                # issued before it failed, which its peers do not issue again.
+                result = collective(group, *args, **kwargs)
+                if not collectives.took_stand_in():
+                    with lock:
+                        out.write(f"P {entry}\n")
+                return result
 
             return wrapper
 

@@ -28,10 +28,12 @@ import logging
 import time
 import urllib.request
 
+from ainfer_pd_testing.collective_log import CollectiveLog
 from vllm_ainfer_pd.worker.faults import FaultHooks
 
 logger = logging.getLogger(__name__)
 EXTENSION = "ainfer_pd_testing.faults.FaultInjection"
+WITH_LOG = "ainfer_pd_testing.faults.FaultsAndCollectiveLog"  # faults, and a log of collectives
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # `vllm serve` then serves /collective_rpc
 
 
@@ -94,11 +96,20 @@ def inject_over_http(url: str, stall: str = "", fail_epoch: str = "",
                      slow_boundary_s: float = 0.0, fail_at: str = "") -> list:
     """`inject_p_faults` on every rank of a `vllm serve` started with `EXTENSION` and
     `SERVER_ENV`; returns what the first engine's ranks answered (vLLM returns one engine's)."""
-    body = json.dumps({"method": "inject_p_faults",
-                       "kwargs": {"stall": stall, "fail_epoch": fail_epoch,
-                                  "slow_boundary_s": slow_boundary_s,
-                                  "fail_at": fail_at}}).encode()
+    return collective_rpc_over_http(url, "inject_p_faults", stall=stall, fail_epoch=fail_epoch,
+                                    slow_boundary_s=slow_boundary_s, fail_at=fail_at)
+
+
+def collective_rpc_over_http(url: str, method: str, **kwargs) -> list:
+    """`POST /collective_rpc` (a server with `SERVER_ENV`): `method` on every worker; returns
+    the first engine's ranks' results."""
+    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
     request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())["results"]
+
+
+class FaultsAndCollectiveLog(FaultInjection, CollectiveLog):
+    """Both extensions in one worker (vLLM takes one `worker_extension_cls`): faults injected,
+    every collective recorded per rank."""

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from ainfer_pd_testing import faults
+from ainfer_pd_testing.collective_log import first_divergence, read_logs
 from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import read_metrics_text, scrape
@@ -264,7 +265,8 @@ def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 60.0)
         time.sleep(0.5)
 
 
-def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, server, tiny_model):
+def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, server, tiny_model,
+                                                                        tmp_path):
     """P fails twice on one DP=2 server (the lane's fault hooks, installed on every rank over the
     dev-mode `/collective_rpc` endpoint): first in epoch 0 on every DP rank (at boundary 1, before
     any P collective); then, in the first epoch after those requests, on rank 1 alone while it
@@ -277,9 +279,11 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     srv = server(tiny_model, ["--distributed-executor-backend", "ainfer_pd",
                               "--additional-config", json.dumps(lane),
                               "--data-parallel-size", "2", "--enable-expert-parallel",
-                              "--worker-extension-cls", faults.EXTENSION], 2,
+                              "--worker-extension-cls", faults.WITH_LOG], 2,
                  "ours-dp2-ep-fail", env=faults.SERVER_ENV)
     ours = ServerRunner(srv.url, tiny_model)
+    prefix = str(tmp_path / "collectives")
+    faults.collective_rpc_over_http(srv.url, "start_collective_log", prefix=prefix)
 
     # Epoch 0 fails on every rank.
     assert faults.inject_over_http(srv.url, fail_epoch="0") == [{"rank": 0}]
@@ -311,6 +315,30 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
     assert len(ranks) == 2 and later[0] == later[1] > n + 1 and done >= 4, ranks
     assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
+
+    # Then rank 1 alone fails inside its forward, before its fourth P collective (an MoE
+    # dispatch or combine at its own batch shape), with rank 0's P going on: rank 1 replays
+    # the rest on no-work tokens, only its own jobs fail, and both ranks' logs of the
+    # collectives they issued are one sequence (shapes aside: the DP ranks' batches differ).
+    m = int(later[0])
+    assert faults.inject_over_http(srv.url, fail_at=f"{m}@1:c3") == [{"rank": 0}]
+    waves = parity_waves(vocab_size=512, seed=2)
+    prompts = [p for wave in waves for p in wave]
+    report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
+                     run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
+    print("rank 1 alone, inside its forward:", report)
+    assert report.fail == 0, report
+    log = srv.log_text()
+    assert f"P epoch {m} on rank 1 failed" in log and "before its collective 3" in log, \
+        log[-4000:]
+    assert f"P epoch {m} on rank 0 failed" not in log, log[-4000:]
+    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
+    assert [r.get("vllm_ainfer_pd_epochs_total", 0) > m + 1 for r in ranks] == [True, True]
+    assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
+    logs = [[" ".join(e.split()[:3]) for e in rank] for rank in read_logs(prefix, 2)]
+    assert any(e.startswith("P dispatch") for e in logs[0]), logs[0][:40]
+    assert len(logs[0]) == len(logs[1]) and first_divergence(logs) is None, \
+        first_divergence(logs)
 
 
 def test_serve_dp2_over_two_hosts_takes_the_cross_host_rendezvous(stock, server, tiny_model,

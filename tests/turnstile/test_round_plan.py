@@ -27,7 +27,7 @@ def post(*tokens: int, occupancy: float = 0.0) -> list[PostD]:
 
 
 def test_payloads_round_trip_through_rendezvous_ints():
-    for pre in (PreD(), PreD(PState.FAILED, 7, retired=True), PARKED3):
+    for pre in (PreD(), PreD(PState.STUCK, 7, failed=True, retired=True), PARKED3):
         assert PreD.decode(pre.encode()) == pre
     mine = PostD(1234, Load(0.25, 1.5, 0.125))
     assert PostD.decode(mine.encode()) == mine
@@ -40,24 +40,29 @@ def test_open_epoch_releases_while_every_rank_is_parked_at_the_same_boundary():
     assert plan == RoundPlan(release=True, load=Load(d_occupancy=0.5))
 
 
-def test_one_failed_rank_ends_the_epoch_as_failed_on_every_rank():
-    """A failed rank replayed to where its peers parked: the plan ends the epoch, failed, for
-    all (a rank-local end would leave its peers in collectives it no longer issues)."""
-    pre = [PARKED3, PreD(PState.FAILED, 3)]
-    for order in itertools.permutations(pre):
-        assert plan_round(list(order), post(5, 0), epoch_open=True, ranks_per_dp=1) == \
-            RoundPlan(end=True, failed=True)
-    # Failed in the last segment, while its peers finished the forward.
-    assert plan_round([PreD(PState.DONE, 9), PreD(PState.FAILED, 9)], post(0, 0),
-                      epoch_open=True, ranks_per_dp=1).failed
+def test_a_failed_rank_replays_to_the_end_and_fails_only_its_dp_replica():
+    """A failed rank replays to where its peers park (so segments go on being released), and at
+    the end only the DP replicas with a failed rank fail their jobs."""
+    assert plan_round([PARKED3, PreD(PState.PARKED, 3, failed=True)], post(5, 0),
+                      epoch_open=True, ranks_per_dp=1) == RoundPlan(release=True)
+    done, failed = PreD(PState.DONE, 9), PreD(PState.DONE, 9, failed=True)
+    # DP=2 x TP=2: rank 3 (DP replica 1) failed.
+    plan = plan_round([done, done, done, failed], post(8, 8, 8, 8), epoch_open=True,
+                      ranks_per_dp=2)
+    assert plan == RoundPlan(end=True, failed=(False, True))  # no opening beside a failure
+    # A rank that cannot replay ends the epoch at once, failed everywhere, parked P cancelled.
+    stuck = PreD(PState.STUCK, 2, failed=True)
+    for order in itertools.permutations([PARKED3, stuck]):
+        assert plan_round(list(order), post(0, 0), epoch_open=True, ranks_per_dp=1) == \
+            RoundPlan(end=True, failed=(True, True), cancel=True)
 
 
 def test_all_done_ends_the_epoch_and_may_open_the_next_with_each_dp_ranks_tokens():
     done = [PreD(PState.DONE, 9)] * 4
     plan = plan_round(done, post(30, 30, 0, 0), epoch_open=True, ranks_per_dp=2)
-    assert plan == RoundPlan(end=True, open=(30, 0))
+    assert plan == RoundPlan(end=True, failed=(False, False), open=(30, 0))
     assert plan_round(done, post(0, 0, 0, 0), epoch_open=True, ranks_per_dp=2) == \
-        RoundPlan(end=True)
+        RoundPlan(end=True, failed=(False, False))
 
 
 def test_retired_state_is_rebuilt_before_any_epoch_opens():
@@ -69,8 +74,8 @@ def test_retired_state_is_rebuilt_before_any_epoch_opens():
 
 def test_ranks_stopped_apart_are_a_mismatch_naming_every_rank():
     with pytest.raises(RoundPlanMismatch, match=r"rank 1: .*rank 0: parked at boundary 3, "
-                                                r"rank 1: parked at boundary 4"):
-        plan_round([PARKED3, PreD(PState.PARKED, 4)], post(0, 0), epoch_open=True,
+                                                r"rank 1: parked \(failed\) at boundary 4"):
+        plan_round([PARKED3, PreD(PState.PARKED, 4, failed=True)], post(0, 0), epoch_open=True,
                    ranks_per_dp=1, rank=1)
     with pytest.raises(RoundPlanMismatch, match="some done while others are parked"):
         plan_round([PARKED3, PreD(PState.DONE, 9)], post(0, 0), epoch_open=True,
@@ -80,8 +85,8 @@ def test_ranks_stopped_apart_are_a_mismatch_naming_every_rank():
 def test_every_rank_computes_the_same_plan_from_the_same_payloads():
     """The plan reads nothing but its arguments: over many payload sets, each rank's call (its
     own rank number the only difference) gives one plan."""
-    states = [PreD(), PARKED3, PreD(PState.DONE, 9), PreD(PState.FAILED, 3),
-              PreD(retired=True)]
+    states = [PreD(), PARKED3, PreD(PState.DONE, 9), PreD(PState.PARKED, 3, failed=True),
+              PreD(PState.STUCK, 1, failed=True), PreD(retired=True)]
     for pre in itertools.product(states, repeat=3):
         for epoch_open in (True, False):
             plans = set()

@@ -19,17 +19,19 @@ round alone, and no rank ends an epoch alone.
 
 Rules, in order:
 
-1. **Epoch open.** If any rank's P failed, the epoch ends as failed on every rank: a failed rank
-   issued matched no-work collectives up to where its peers stopped, so all stand at the same
-   boundary, and the others' parked P is cancelled there (no more collectives on any rank). If
-   every rank's P is done, the epoch ends as completed. Otherwise every rank's P is parked at
-   the same boundary and the next segment is released. Ranks stopped at different boundaries
-   (one done while another is parked, or parked at different boundaries) have already issued
-   different collectives: that is a `RoundPlanMismatch`, naming the ranks.
-2. **No epoch open** (or the open one just ended completed): if any rank's P state is retired,
-   every rank rebuilds it and no epoch opens this round; else an epoch opens if any rank has
-   queued tokens, with each DP rank's tokens (the first rank of each DP group speaks for it: its
-   TP peers see the same scheduler output).
+1. **Epoch open.** A rank whose P failed does not stop: it replays its forward on no-work tokens
+   (stand-ins for the collectives it had issued), so it parks where its peers park and issues
+   the collectives they issue, and says `failed`. While every rank is parked at the same
+   boundary the next segment is released; once every rank's forward is done the epoch ends on
+   every rank, failed for each DP replica with a failed rank (its TP ranks share its jobs'
+   KV), completed for the others. A rank that could not replay (`STUCK`) ends the epoch at
+   once, failed everywhere: the others' parked P is cancelled at its permit. Ranks stopped
+   apart (one done while another is parked, or parked at different boundaries) have already
+   issued different collectives: that is a `RoundPlanMismatch`, naming every rank.
+2. **No epoch open** (or the open one just ended completed on every replica): if any rank's P
+   state is retired, every rank rebuilds it and no epoch opens this round; else an epoch opens
+   if any rank has queued tokens, with each DP rank's tokens (the first rank of each DP group
+   speaks for it: its TP peers see the same scheduler output).
 
 The epoch gate (`EpochGate`) decides, before any rendezvous, whether a DP round with queued lane
 work but no epoch open is worth a rendezvous at all; its inputs are vLLM's per-forward DP
@@ -54,22 +56,23 @@ class PState(enum.IntEnum):
     IDLE = 0  # no epoch open
     PARKED = 1  # stopped at its permit
     DONE = 2  # its forward ended
-    FAILED = 3  # it failed; it then issued matched no-work collectives to where it stopped
+    STUCK = 3  # failed where it cannot issue its peers' collectives any more
 
 
 @dataclass(frozen=True)
 class PreD:
     state: PState = PState.IDLE
     boundary: int = -1  # the last boundary P published (-1: none)
+    failed: bool = False  # this rank's part of the epoch failed (it replays, or is stuck)
     retired: bool = False  # this rank's expert-parallel state for P must be rebuilt
 
     def encode(self) -> tuple[int, ...]:
-        return int(self.state), self.boundary, int(self.retired)
+        return int(self.state), self.boundary, int(self.failed), int(self.retired)
 
     @classmethod
     def decode(cls, words: Sequence[int]) -> PreD:
-        state, boundary, retired = words
-        return cls(PState(state), boundary, bool(retired))
+        state, boundary, failed, retired = words
+        return cls(PState(state), boundary, bool(failed), bool(retired))
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ class PostD:
 @dataclass(frozen=True)
 class RoundPlan:
     end: bool = False  # the open epoch ends on every rank
-    failed: bool = False  # ... as failed (its jobs fail on every rank)
+    failed: tuple[bool, ...] = ()  # with `end`: per DP replica, whether its jobs failed
+    cancel: bool = False  # with `end`: stop every rank's parked P at its permit
     release: bool = False  # the open epoch's next segment is released
     open: tuple[int, ...] | None = None  # an epoch opens: each DP rank's tokens
     rebuild: bool = False  # every rank rebuilds P's expert-parallel state
@@ -113,20 +117,23 @@ def plan_round(pre: Sequence[PreD], post: Sequence[PostD], *, epoch_open: bool,
     """The round's plan (module docstring). `pre` and `post` hold every rank's payloads in rank
     order; `rank` only names this rank in an error."""
     load = shared_load(post)
-    if epoch_open:
-        states = [p.state for p in pre]
-        stopped_at = {p.boundary for p in pre if p.state is not PState.DONE}
-        if PState.FAILED in states or PState.DONE not in states:
-            if len(stopped_at) > 1:
-                raise _mismatch(pre, rank, "parked or failed at different boundaries")
-            if PState.FAILED in states:
-                return RoundPlan(end=True, failed=True, load=load)
-            return RoundPlan(release=True, load=load)
-        if any(s is not PState.DONE for s in states):
-            raise _mismatch(pre, rank, "some done while others are parked")
-        plan = _idle_plan(pre, post, ranks_per_dp, load)
-        return RoundPlan(end=True, open=plan.open, rebuild=plan.rebuild, load=load)
-    return _idle_plan(pre, post, ranks_per_dp, load)
+    if not epoch_open:
+        return _idle_plan(pre, post, ranks_per_dp, load)
+    states = [p.state for p in pre]
+    if PState.STUCK in states:
+        everywhere = (True,) * (len(pre) // ranks_per_dp)
+        return RoundPlan(end=True, failed=everywhere, cancel=True, load=load)
+    if all(s is PState.DONE for s in states):
+        failed = tuple(any(p.failed for p in pre[i:i + ranks_per_dp])
+                       for i in range(0, len(pre), ranks_per_dp))
+        plan = RoundPlan() if any(failed) else _idle_plan(pre, post, ranks_per_dp, load)
+        return RoundPlan(end=True, failed=failed, open=plan.open, rebuild=plan.rebuild,
+                         load=load)
+    if PState.DONE in states:
+        raise _mismatch(pre, rank, "some done while others are parked")
+    if len({p.boundary for p in pre}) > 1:
+        raise _mismatch(pre, rank, "parked at different boundaries")
+    return RoundPlan(release=True, load=load)
 
 
 def _idle_plan(pre: Sequence[PreD], post: Sequence[PostD], ranks_per_dp: int,
@@ -138,8 +145,8 @@ def _idle_plan(pre: Sequence[PreD], post: Sequence[PostD], ranks_per_dp: int,
 
 
 def _mismatch(pre: Sequence[PreD], rank: int, what: str) -> RoundPlanMismatch:
-    seen = ", ".join(f"rank {r}: {p.state.name.lower()} at boundary {p.boundary}"
-                     for r, p in enumerate(pre))
+    seen = ", ".join(f"rank {r}: {p.state.name.lower()}{' (failed)' if p.failed else ''} at "
+                     f"boundary {p.boundary}" for r, p in enumerate(pre))
     return RoundPlanMismatch(f"rank {rank}: the ranks' P epochs stopped {what} ({seen}); their "
                              f"collectives no longer match")
 

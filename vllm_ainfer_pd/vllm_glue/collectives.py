@@ -79,6 +79,13 @@ def _routed(collective: Any) -> Any:
     return wrapper
 
 
+def took_stand_in() -> bool:
+    """Whether the calling thread's last routed collective returned a stand-in (and clear it);
+    for a test's record of the collectives a rank really issued."""
+    took, _ROUTE.stood_in = getattr(_ROUTE, "stood_in", False), False
+    return took
+
+
 def stand_in(group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
     """What a collective that is not issued returns: a tensor of the shape the real one returns
     (its values mean nothing). Only a failed epoch's no-work replay uses it, for the collectives
@@ -87,6 +94,8 @@ def stand_in(group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
     import inspect
 
     import torch
+
+    _ROUTE.stood_in = True
 
     name = collective.__name__
     bound = inspect.signature(collective).bind(group, *args, **kwargs)

@@ -122,6 +122,7 @@ class PLane(LaneRound):
             dp_sync.install()
             dp_sync.set_source(lambda: (self.epochs.next_epoch_tokens(), self.d_rows))
         self.ranks_per_dp = world_size // dp_size
+        self.dp_rank = rank // self.ranks_per_dp  # world ranks run DP-major
         self._pre: list[PreD] = []  # every rank's pre-D payload of this round
         if self.p_thread.p_stream is not None:
             logger.info("P lane on rank %d: stream priorities %s (lower is higher)", rank,
@@ -226,7 +227,7 @@ class PLane(LaneRound):
         plan = plan_round(self._pre, posts, epoch_open=epoch_open,
                           ranks_per_dp=self.ranks_per_dp, rank=self.rank)
         if plan.end:
-            self._end_epoch(failed=plan.failed)
+            self._end_epoch(failed=plan.failed[self.dp_rank], cancel=plan.cancel)
         if plan.rebuild:
             self._rebuild_phase_ep()  # on every rank, at this same point
         if plan.release:
@@ -268,10 +269,9 @@ class PLane(LaneRound):
             mine = PreD(retired=retired)
         else:
             status = self.controller.status()
-            failed = epoch.error is not None or status.state is TaskState.FAILED
-            state = PState.FAILED if failed else (
-                PState.DONE if status.state is TaskState.DONE else PState.PARKED)
-            mine = PreD(state, status.reached, retired)
+            state = {TaskState.PARKED: PState.PARKED, TaskState.DONE: PState.DONE}.get(
+                status.state, PState.STUCK)  # FAILED (no replay), or never stopped
+            mine = PreD(state, status.reached, epoch.error is not None, retired)
         start = time.perf_counter()
         self.turnstile.rendezvous.pre_d(mine.encode())
         self._met(time.perf_counter() - start)
@@ -334,12 +334,13 @@ class PLane(LaneRound):
             sys.setswitchinterval(P_SWITCH_INTERVAL_S)
         self.p_thread.start(epoch)
 
-    def _end_epoch(self, failed: bool) -> None:
-        """End the open epoch on this rank, as every rank does in this round (the plan's end). A
-        failed one's parked P is cancelled at its permit, where its peers stand too."""
+    def _end_epoch(self, failed: bool, cancel: bool = False) -> None:
+        """End the open epoch on this rank, as every rank does in this round (the plan's end),
+        its jobs `failed` or completed. With `cancel` a parked P is stopped at its permit, where
+        its peers stand too."""
         epoch = self.epochs.close()
-        if failed:
-            self.controller.cancel("the round plan ended the epoch as failed")
+        if cancel:
+            self.controller.cancel("the round plan ended the epoch: a rank's P is stuck")
         epoch.thread.join(timeout=self.config.timeout_s)
         if epoch.thread.is_alive():
             raise DrainTimeout("P's thread did not exit after its epoch ended", rank=self.rank,
@@ -350,8 +351,8 @@ class PLane(LaneRound):
             self.phase_ep.close_epoch(failed=failed)
             self.stats.p_collectives_own = self.phase_ep.own_collectives
         if failed:
-            logger.error("P epoch %d failed (on this rank: %r); its jobs fail on every rank",
-                         epoch.id, epoch.error)
+            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank,
+                         epoch.error or "a rank of this DP replica failed")
             self.epochs.fail(epoch)
             return
         if self.turnstile.mode.fences_device and epoch.event is not None:
