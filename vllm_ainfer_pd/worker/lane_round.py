@@ -31,13 +31,14 @@ class LaneRound(abc.ABC):
     **`before_d()`.** With a P epoch open: waits until P stopped at its permit (P's host work of
     the last segment is done), then the pre-D rendezvous. With none open it returns at once.
 
-    **`after_d(load, d_tokens)`.** With an epoch open: the post-D rendezvous, then P's next
-    segment is released (`load` picks how many boundaries). Otherwise it opens an epoch for queued
-    jobs, if any. At DP>1 whether any rank has queued jobs is read from vLLM's own per-forward DP
-    all-reduce (`vllm_glue.dp_sync`), the same answer on every rank, so a round with no P on any
-    rank costs no rendezvous at all; a round that opens an epoch meets all ranks in both phases
-    and shares each rank's tokens, so every DP rank opens it together. `d_tokens` is the step's
-    D tokens (0 for a dummy batch).
+    **`after_d(load, d_tokens)`.** With an epoch open: the post-D rendezvous, then what the
+    round plan (`turnstile/round_plan.py`) computed from every rank's payloads: release P's next
+    segment (`load` picks how many boundaries), end the epoch, open the next. Otherwise it opens
+    an epoch for queued jobs, if any. At DP>1 whether a round may open one (the epoch gate) is
+    read from vLLM's own per-forward DP all-reduce (`vllm_glue.dp_sync`), the same answer on
+    every rank, so a round with no P on any rank costs no rendezvous at all; a round that opens
+    an epoch meets all ranks in both phases and shares each rank's tokens, so every DP rank
+    opens it together. `d_tokens` is the step's D tokens (0 for a dummy batch).
 
     Every rank makes the same calls in the same order; every wait inside is bounded by the lane's
     `timeout_s` with an error naming the rank, the phase, the round and who is missing.
