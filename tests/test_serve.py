@@ -206,8 +206,8 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1_with_one_rank_idle(stock, s
     short = [p for p in PROMPTS if len(p) < 32]
     ServerRunner(srv.url, tiny_model).generate(short, MAX_TOKENS)  # both ranks, no P
     free = settled_rank_metrics(srv.url, tiny_model, 2)
-    # (a rank whose lane counters never changed reports none, which is zero too)
-    assert all(r.get("vllm_ainfer_pd_rendezvous_phases_total", 0) == 0
+    # Both ranks reported (each reports its in-flight gauge at its first step), with no phase.
+    assert len(free) == 2 and all(r.get("vllm_ainfer_pd_rendezvous_phases_total", 0) == 0
                                   and r.get("vllm_ainfer_pd_epochs_total", 0) == 0
                                   for r in free.values()), free
 

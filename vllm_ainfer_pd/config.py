@@ -78,9 +78,11 @@ class AInferPDConfig:
     # The epoch gate at DP > 1 (docs/turnstile.md, the round plan): P epochs run in lockstep over
     # the DP ranks, so a round opens one only once the lane tokens queued over all ranks fill
     # `epoch_gate_fill` of (DP size x max_num_batched_tokens), or the oldest has waited
-    # `epoch_gate_rounds` D iterations, or no rank has decode rows. 0 opens at once (no gate).
-    # Not used at DP = 1.
-    epoch_gate_fill: float = 0.75
+    # `epoch_gate_rounds` D iterations, or no rank has decode rows. 0 opens at once (no gate):
+    # the default until a DP rollout measures the gate (the scale model projects 0.75-0.9 with
+    # a 64-128 round deadline; on the CPU at DP=2 with one rank idle it only delayed P, since an
+    # idle rank caps the fill at one half). Not used at DP = 1.
+    epoch_gate_fill: float = 0.0
     epoch_gate_rounds: int = 64
 
     def __post_init__(self) -> None:
