@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from ainfer_pd_testing.launch import RankGroup, init_gloo
 from vllm_ainfer_pd.config import RENDEZVOUS, AInferPDConfig, ConfigError
 from vllm_ainfer_pd.turnstile import (
     HOST_ID_ENV,
@@ -31,7 +32,6 @@ from vllm_ainfer_pd.turnstile import (
     host_identity,
     make_rendezvous,
 )
-from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
 from vllm_ainfer_pd.turnstile.rendezvous import (
     MAX_PAYLOAD,
     PAYLOAD_MAX,
