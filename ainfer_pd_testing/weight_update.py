@@ -1,6 +1,6 @@
-"""A worker extension for the RL loop's weight sync: `LLM(..., worker_extension_cls=
-"ainfer_pd_testing.weight_update.WeightUpdate")`, then `llm.collective_rpc("perturb_weights",
-args=(seed,))` between rollouts, as an RL trainer pushes new weights into the rollout engine.
+"""A worker extension for the RL loop's weight sync: `LLM(..., worker_extension_cls=EXTENSION)`,
+then `llm.collective_rpc("perturb_weights", args=(seed,))` between rollouts, as an RL trainer
+pushes new weights into the rollout engine.
 
 The update is deterministic and a function of each weight's value alone (no random stream over a
 tensor's elements), so engines in any layout (TP shards, EP's local experts, kernel packings of
@@ -10,6 +10,8 @@ the same values) that get the same call hold the same weights afterwards as a st
 from __future__ import annotations
 
 import torch
+
+EXTENSION = "ainfer_pd_testing.weight_update.WeightUpdate"
 
 
 class WeightUpdate:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from ainfer_pd_testing import faults
+from ainfer_pd_testing.dev_server import SERVER_ENV
 from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import read_metrics_text, scrape
@@ -278,7 +279,7 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
                               "--additional-config", json.dumps(lane),
                               "--data-parallel-size", "2", "--enable-expert-parallel",
                               "--worker-extension-cls", faults.EXTENSION], 2,
-                 "ours-dp2-ep-fail", env=faults.SERVER_ENV)
+                 "ours-dp2-ep-fail", env=SERVER_ENV)
     ours = ServerRunner(srv.url, tiny_model)
 
     # Epoch 0 fails on every rank.
