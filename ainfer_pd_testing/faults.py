@@ -5,7 +5,7 @@ A worker extension: `LLM(..., worker_extension_cls="ainfer_pd_testing.faults.Fau
 engine is up and before the first P epoch, on every rank:
 `llm.collective_rpc("inject_p_faults", kwargs={"stall": "1:3"})`, or `POST /collective_rpc` with
 `{"method": "inject_p_faults", "kwargs": {"fail_epoch": "0@1"}}` (vLLM serves that endpoint with
-`VLLM_SERVER_DEV_MODE=1`; with DP it reaches every engine). Faults (world ranks, epochs and
+`dev_server.SERVER_ENV`; with DP it reaches every engine). Faults (world ranks, epochs and
 rendezvous rounds counted from the lane's start):
 - `stall="<rank>:<round>"`: that rank sleeps for 4 x `timeout_s` (long enough for its peers to
   give up) just before its pre-D rendezvous of that round, as a hung rank would;
@@ -23,18 +23,16 @@ rendezvous rounds counted from the lane's start):
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import urllib.request
 
 from ainfer_pd_testing.collective_log import CollectiveLog
+from ainfer_pd_testing.dev_server import collective_rpc
 from vllm_ainfer_pd.worker.faults import FaultHooks
 
 logger = logging.getLogger(__name__)
 EXTENSION = "ainfer_pd_testing.faults.FaultInjection"
 WITH_LOG = "ainfer_pd_testing.faults.FaultsAndCollectiveLog"  # faults, and a log of collectives
-SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # `vllm serve` then serves /collective_rpc
 
 
 class ScriptedFaults(FaultHooks):
@@ -95,19 +93,10 @@ class FaultInjection:
 def inject_over_http(url: str, stall: str = "", fail_epoch: str = "",
                      slow_boundary_s: float = 0.0, fail_at: str = "") -> list:
     """`inject_p_faults` on every rank of a `vllm serve` started with `EXTENSION` and
-    `SERVER_ENV`; returns what the first engine's ranks answered (vLLM returns one engine's)."""
-    return collective_rpc_over_http(url, "inject_p_faults", stall=stall, fail_epoch=fail_epoch,
-                                    slow_boundary_s=slow_boundary_s, fail_at=fail_at)
-
-
-def collective_rpc_over_http(url: str, method: str, **kwargs) -> list:
-    """`POST /collective_rpc` (a server with `SERVER_ENV`): `method` on every worker; returns
-    the first engine's ranks' results."""
-    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())["results"]
+    `dev_server.SERVER_ENV`; returns what the first engine's ranks answered (vLLM returns one
+    engine's)."""
+    return collective_rpc(url, "inject_p_faults", stall=stall, fail_epoch=fail_epoch,
+                          slow_boundary_s=slow_boundary_s, fail_at=fail_at)
 
 
 class FaultsAndCollectiveLog(FaultInjection, CollectiveLog):

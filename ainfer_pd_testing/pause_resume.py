@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 
 from ainfer_pd_testing.parity import ParityReport, compare
 
-EXTENSION = "ainfer_pd_testing.weight_update.WeightUpdate"
-
-
 
 def lane_prompts(seed: int, n: int) -> list[list[int]]:
     """`n` prompts of 300-400 random tokens (ids 3-511 of the tiny models' vocabulary): long

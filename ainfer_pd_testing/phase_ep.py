@@ -1,7 +1,7 @@
 """A worker extension for the phase-owned expert-parallel tests (tests/test_phase_ep.py).
 
 `vllm serve ... --worker-extension-cls ainfer_pd_testing.phase_ep.PhaseEPProbe` with
-`VLLM_SERVER_DEV_MODE=1`, then over `POST /collective_rpc` (which reaches every DP engine):
+`dev_server.SERVER_ENV`, then over `dev_server.collective_rpc` (which reaches every DP engine):
 - `start_collective_log(prefix)` (from `collective_log.CollectiveLog`): each rank appends one line
   per collective its threads issue, `<P|D> <collective> <group unique_name> <shape>`;
 - `fail_p_epoch(epoch, boundary)`: P raises on every rank before it publishes `boundary` of
@@ -10,14 +10,10 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 from ainfer_pd_testing.collective_log import CollectiveLog
 from vllm_ainfer_pd.worker.faults import FaultHooks
 
 EXTENSION = "ainfer_pd_testing.phase_ep.PhaseEPProbe"
-SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 class FailAtBoundary(FaultHooks):
@@ -37,12 +33,3 @@ class PhaseEPProbe(CollectiveLog):
             return None
         lane.install_faults(FailAtBoundary(epoch, boundary))
         return {"rank": lane.rank}
-
-
-def rpc(url: str, method: str, **kwargs) -> list:
-    """`method(**kwargs)` on every rank of every engine; what one engine's ranks returned."""
-    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/collective_rpc", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())["results"]

@@ -1,6 +1,6 @@
-"""A worker extension for the RL loop's weight sync: `LLM(..., worker_extension_cls=
-"ainfer_pd_testing.weight_update.WeightUpdate")`, then `llm.collective_rpc("perturb_weights",
-args=(seed,))` between rollouts, as an RL trainer pushes new weights into the rollout engine.
+"""A worker extension for the RL loop's weight sync: `LLM(..., worker_extension_cls=EXTENSION)`,
+then `llm.collective_rpc("perturb_weights", args=(seed,))` between rollouts, as an RL trainer
+pushes new weights into the rollout engine.
 
 The new weights are the checkpoint one stand-in training step on (`trained(checkpoint, seed)`),
 loaded through vLLM's own weight reload (`reload_weights`: `model.load_weights` with the
@@ -21,6 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+EXTENSION = "ainfer_pd_testing.weight_update.WeightUpdate"
 
 Weights = list[tuple[str, torch.Tensor]]
 CHECKPOINT = "model.safetensors"

@@ -148,8 +148,8 @@ def run(args, result: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from ainfer_pd_testing.launch import free_port, init_gloo
     from vllm_ainfer_pd.deepep.buffers import DeepEPSizes, PhaseBuffers, check_normal
-    from vllm_ainfer_pd.turnstile.launch import free_port, init_gloo
 
     deep_ep = step(result, "import", lambda: __import__("deep_ep"))
     if deep_ep is None:

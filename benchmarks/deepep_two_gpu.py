@@ -220,6 +220,7 @@ def _rank(rank: int, world: int, port: int, setup: Setup, phase: str, seed: int,
 
     import torch
 
+    from ainfer_pd_testing.launch import init_gloo
     from vllm_ainfer_pd.turnstile import (
         FixedSpan,
         SegmentController,
@@ -228,7 +229,6 @@ def _rank(rank: int, world: int, port: int, setup: Setup, phase: str, seed: int,
         Turnstile,
     )
     from vllm_ainfer_pd.turnstile.errors import EpochCancelled
-    from vllm_ainfer_pd.turnstile.launch import init_gloo
 
     torch.cuda.set_device(rank)
     init_gloo(rank, world, port, timeout_s=setup.timeout_s)
@@ -314,7 +314,7 @@ def _stats(ms: list[float]) -> dict:
 
 
 def launch(setup: Setup, phase: str, seed: int, rounds: int, skew_ms: float) -> dict:
-    from vllm_ainfer_pd.turnstile.launch import RankFailed, RankGroup
+    from ainfer_pd_testing.launch import RankFailed, RankGroup
 
     budget = setup.timeout_s + rounds * (2 * skew_ms / 1000 + 0.2)
     try:

@@ -44,12 +44,8 @@ async def ours_runs(engine_args: dict, lane: dict | None, sleep: bool,
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from ainfer_pd_testing.pause_resume import (
-        EXTENSION,
-        lane_status,
-        paused_rollout,
-        plain_rollout,
-    )
+    from ainfer_pd_testing.pause_resume import lane_status, paused_rollout, plain_rollout
+    from ainfer_pd_testing.weight_update import EXTENSION
 
     backend = {} if lane is None else dict(distributed_executor_backend="ainfer_pd",
                                            additional_config=lane)
@@ -136,7 +132,8 @@ def judge(runs: dict, engine_args: dict, modes: list[str], updated: bool,
     from vllm import LLM
 
     from ainfer_pd_testing.parity import LLMRunner, compare, stock_alone
-    from ainfer_pd_testing.pause_resume import EXTENSION, judge_continuations
+    from ainfer_pd_testing.pause_resume import judge_continuations
+    from ainfer_pd_testing.weight_update import EXTENSION
 
     failed = []
     checks = result["checks"]

@@ -210,9 +210,9 @@ def lane_constants(folders: list[Path], boundaries: int) -> dict:
 
 
 def derive(out_dir: Path) -> list[Path]:
+    from benchmarks.scale.profile import Profile, fit_routing, save_profile
+    from benchmarks.scale.shape import ModelShape
     from vllm_ainfer_pd.models.generate import PRESETS
-    from vllm_ainfer_pd.rollout.scale.profile import Profile, fit_routing, save_profile
-    from vllm_ainfer_pd.rollout.scale.shape import ModelShape
 
     written = []
     device_rate = 0.0
@@ -348,9 +348,9 @@ class Stepper:
 def measure(args: argparse.Namespace) -> Path:
     import os
 
+    from benchmarks.scale.profile import Profile, save_profile
+    from benchmarks.scale.shape import ModelShape
     from vllm_ainfer_pd.models.generate import PRESETS, ensure_model
-    from vllm_ainfer_pd.rollout.scale.profile import Profile, save_profile
-    from vllm_ainfer_pd.rollout.scale.shape import ModelShape
 
     cpu = args.platform == "cpu"
     model = str(ensure_model(args.model)) if args.model in PRESETS else args.model
@@ -459,7 +459,7 @@ def refit(args: argparse.Namespace) -> Path:
     """A measured profile completed from the rollouts: the lane's constants and the server's
     per-token request cost from `--records-from`'s replays, and (MLA) the routing spread at the
     memory rate of `--device-rate-from`'s profile."""
-    from vllm_ainfer_pd.rollout.scale.profile import (
+    from benchmarks.scale.profile import (
         Profile,
         fit_routing,
         load_profile,
@@ -526,9 +526,9 @@ def frontend_overhead(prof, folder: Path) -> float:
     match stock's measured median: the last request waits for the 63 before it."""
     from dataclasses import replace
 
-    from vllm_ainfer_pd.rollout.scale.costs import Layout
-    from vllm_ainfer_pd.rollout.scale.engines import EngineSpec
-    from vllm_ainfer_pd.rollout.scale.sim import simulate
+    from benchmarks.scale.costs import Layout
+    from benchmarks.scale.engines import EngineSpec
+    from benchmarks.scale.sim import simulate
     from vllm_ainfer_pd.rollout.trace import load_trace
 
     trace = load_trace(folder / "trace.jsonl")
@@ -552,8 +552,8 @@ def dp_collective_latency(prof, folder: Path) -> float:
     collectives."""
     from dataclasses import replace
 
-    from vllm_ainfer_pd.rollout.scale.costs import CostModel, Layout
-    from vllm_ainfer_pd.rollout.scale.shape import Batch
+    from benchmarks.scale.costs import CostModel, Layout
+    from benchmarks.scale.shape import Batch
 
     hw = dict(prof.hardware, collective_latency_us=0.0)
     cm = CostModel(replace(prof, hardware=hw), Layout(dp=2, ep=True))

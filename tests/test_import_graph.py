@@ -1,9 +1,12 @@
-"""The package's modules import each other without a circle.
+"""What the package's modules import, read from the source with `ast`, without importing anything.
 
-Read from the source with `ast`, without importing anything: every `import` and `from ... import`
-of a `vllm_ainfer_pd` module counts, at module level, inside functions and under
+Every `import` and `from ... import` counts, at module level, inside functions and under
 `TYPE_CHECKING` alike (a lazy or type-only import still ties the two modules together for a
-reader). Importing a submodule is not counted as importing its package's `__init__`.
+reader). Importing a submodule is not counted as importing its package's `__init__`. The rules:
+the package's modules import each other without a circle; the protocol (`turnstile/`) imports
+neither vLLM, nor the rest of the plugin, nor anything outside the package; no shipped module
+imports what the wheel does not install (the harness, the benchmarks and the scale model beside
+them, the tests), and the package holds no simulator.
 """
 
 from __future__ import annotations
@@ -27,6 +30,23 @@ def modules(root: Path = PACKAGE) -> dict[str, Path]:
     return found
 
 
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every dotted name module `module` (its source at `path`) imports, relative ones resolved:
+    `import a.b` gives "a.b", `from a import b` gives "a.b"."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1 packages
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package's modules it imports."""
     mods = modules(root)
@@ -38,23 +58,30 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the package, up level - 1 packages
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*up, base] if base else up)
-                names = [f"{base}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            for name in names:
-                target = owner(name)
-                if target is not None and target != module:
-                    graph[module].add(target)
+        for name in imported_names(module, path):
+            target = owner(name)
+            if target is not None and target != module:
+                graph[module].add(target)
     return graph
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def forbidden_imports(root: Path, scope: str, forbidden: tuple[str, ...],
+                      allowed: tuple[str, ...] = ()) -> list[str]:
+    """"module imports name" for each import by a module in `scope` of a name within one of
+    `forbidden` and within none of `allowed`."""
+    found = []
+    for module, path in sorted(modules(root).items()):
+        if not within(module, scope):
+            continue
+        for name in sorted(imported_names(module, path)):
+            if any(within(name, f) for f in forbidden) and \
+                    not any(within(name, a) for a in allowed):
+                found.append(f"{module} imports {name}")
+    return found
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -100,3 +127,46 @@ def test_the_check_finds_a_cycle(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
     (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\n")
     assert find_cycle(import_graph(pkg)) is None
+
+
+# What the wheel does not install (setup.py packages only vllm_ainfer_pd): the harness, the
+# benchmark scripts and the scale model among them, the tests.
+CHECKOUT_ONLY = ("ainfer_pd_testing", "benchmarks", "tests")
+PROTOCOL = "vllm_ainfer_pd.turnstile"
+
+
+def test_the_protocol_imports_neither_vllm_nor_the_plugin_nor_the_harness():
+    bad = forbidden_imports(PACKAGE, PROTOCOL, ("vllm", "vllm_ainfer_pd", *CHECKOUT_ONLY),
+                            allowed=(PROTOCOL,))
+    assert bad == [], "the protocol package must stay free of these: " + "; ".join(bad)
+
+
+def test_no_shipped_module_imports_what_the_wheel_does_not_install():
+    bad = forbidden_imports(PACKAGE, "vllm_ainfer_pd", CHECKOUT_ONLY)
+    assert bad == [], "; ".join(bad)
+
+
+def test_the_shipped_package_holds_no_simulator():
+    from setuptools import find_packages
+
+    shipped = find_packages(str(PACKAGE.parent), include=["vllm_ainfer_pd", "vllm_ainfer_pd.*"])
+    assert "vllm_ainfer_pd.rollout" in shipped
+    simulator = [m for m in modules() if m.rpartition(".")[2] in ("scale", "sim", "simulate")]
+    assert simulator == [], f"the scale model belongs beside the benchmarks: {simulator}"
+    assert not any(p.endswith(".scale") for p in shipped), shipped
+    assert (PACKAGE.parent / "benchmarks" / "scale" / "sim.py").is_file()
+
+
+def test_the_checks_find_forbidden_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "proto").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "glue.py").write_text("")
+    (pkg / "proto" / "__init__.py").write_text("from . import core\n")
+    (pkg / "proto" / "core.py").write_text(
+        "def f():\n    import vllm.config\n    from ..glue import x\n"
+        "    from ainfer_pd_testing.launch import RankGroup\n    from pkg.proto import core\n")
+    bad = forbidden_imports(pkg, "pkg.proto", ("vllm", "pkg", *CHECKOUT_ONLY),
+                            allowed=("pkg.proto",))
+    assert bad == ["pkg.proto.core imports ainfer_pd_testing.launch.RankGroup",
+                   "pkg.proto.core imports pkg.glue.x", "pkg.proto.core imports vllm.config"]

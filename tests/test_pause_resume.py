@@ -20,7 +20,6 @@ import pytest
 
 from ainfer_pd_testing.parity import compare, offline_llm
 from ainfer_pd_testing.pause_resume import (
-    EXTENSION,
     async_engine,
     judge_continuations,
     lane_prompts,
@@ -28,6 +27,7 @@ from ainfer_pd_testing.pause_resume import (
     paused_rollout,
     plain_rollout,
 )
+from ainfer_pd_testing.weight_update import EXTENSION
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -27,6 +27,7 @@ import pytest
 
 from ainfer_pd_testing import phase_ep
 from ainfer_pd_testing.collective_log import read_logs
+from ainfer_pd_testing.dev_server import SERVER_ENV, collective_rpc
 from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import (
     ServerRunner,
@@ -98,11 +99,11 @@ def normal(tiny_model):
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
     srv = _serve(tiny_model, LANE, "pd-dp2-ep-phase-owned",
-                 ["--worker-extension-cls", phase_ep.EXTENSION], phase_ep.SERVER_ENV)
+                 ["--worker-extension-cls", phase_ep.EXTENSION], SERVER_ENV)
     prefix = str(tmp_path_factory.mktemp("collectives") / "log")
     try:
         srv.start()
-        phase_ep.rpc(srv.url, "start_collective_log", prefix=prefix)
+        collective_rpc(srv.url, "start_collective_log", prefix=prefix)
         yield srv, prefix
     except BaseException:
         print(srv.log_tail(150))
@@ -171,7 +172,7 @@ def test_a_p_epoch_failing_after_its_moe_collectives_rebuilds_p_groups_on_both_r
     before = _rank_metrics(srv, tiny_model)
     next_epoch = int(_count(before, "epochs")[0])
     # Boundary 2 is layer 1's attention: layer 0's dispatch and combine ran on P's groups.
-    assert len(phase_ep.rpc(srv.url, "fail_p_epoch", epoch=next_epoch, boundary=2)) == 1
+    assert len(collective_rpc(srv.url, "fail_p_epoch", epoch=next_epoch, boundary=2)) == 1
     ours = run_waves(ServerRunner(srv.url, tiny_model), AFTER_FAILURE, MAX_TOKENS)
     _parity(normal, "after_failure", ours, AFTER_FAILURE)
     log = srv.log_text()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
+from ainfer_pd_testing.launch import RankGroup, init_gloo
 
 # ~30 s on an idle machine (two processes import vLLM); bounded generously for a loaded one.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

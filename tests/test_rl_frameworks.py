@@ -27,12 +27,11 @@ import dataclasses
 import json
 import threading
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 
 from ainfer_pd_testing import faults
+from ainfer_pd_testing.dev_server import SERVER_ENV, admin, collective_rpc
 from ainfer_pd_testing.parity import ServerRunner, compare, offline_llm
 from ainfer_pd_testing.pause_resume import (
     judge_continuations,
@@ -317,21 +316,6 @@ class Streamed:
             self.error = f"not finished after {timeout_s:.0f} s"
 
 
-def admin(url: str, path: str, body: dict | None = None, method: str = "POST",
-          timeout_s: float = 300.0, **params):
-    """A call to vLLM's development endpoints (`VLLM_SERVER_DEV_MODE=1`); its JSON answer."""
-    query = "?" + urllib.parse.urlencode(params) if params else ""
-    data = json.dumps(body).encode() if body is not None else b"" if method == "POST" else None
-    request = urllib.request.Request(url + path + query, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as r:
-            return json.loads(r.read() or b"null")
-    except TimeoutError as err:
-        raise AssertionError(f"{method} {path}{query} did not answer in {timeout_s:.0f} s") \
-            from err
-
-
 def http_transfer(url: str, trainer: Trainer, new: Weights) -> None:
     """vLLM's native weight update over HTTP, as SkyRL drives it: start, the chunk, finish."""
     admin(url, "/start_weight_update")
@@ -371,7 +355,7 @@ def settled(url: str, model: str, timeout_s: float = 30.0) -> tuple[dict, dict]:
 def rank0_lane(url: str) -> dict:
     """DP rank 0's lane counters, asked of its worker now (`/metrics` publishes a rank's counters
     only with its next forward: too late to time a pause by)."""
-    return admin(url, "/collective_rpc", {"method": "ainfer_pd_status"})["results"][0]["p_lane"]
+    return collective_rpc(url, "ainfer_pd_status", timeout_s=300)[0]["p_lane"]
 
 
 def jobs_taken(lane: dict) -> int:
@@ -431,7 +415,7 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
     weights it ran on (`abort`: what it had is the start of stock's)."""
     trainer = Trainer(num_workers=2)  # one worker per DP rank
     with VllmServer(tiny_model, serve_args(CPU_ENGINE_ARGS) + DP_SERVER,
-                    {**cpu_env(2), "VLLM_SERVER_DEV_MODE": "1"}, name="ours-dp2-ep-pause") as srv:
+                    {**cpu_env(2), **SERVER_ENV}, name="ours-dp2-ep-pause") as srv:
         try:
             joined = threading.Thread(target=trainer.connect)
             joined.start()
@@ -538,7 +522,7 @@ def test_serve_dp2_pause_wait_drains_a_p_epoch_longer_than_vllms_dp_wave_check(d
             "--worker-extension-cls", faults.EXTENSION]
     prompt = prompts(20, 1)[0]
     with VllmServer(deep_model, serve_args(CPU_ENGINE_ARGS) + args,
-                    {**cpu_env(2), **faults.SERVER_ENV}, name="ours-dp2-deep-pause") as srv:
+                    {**cpu_env(2), **SERVER_ENV}, name="ours-dp2-deep-pause") as srv:
         try:
             # 0.1 s before each boundary: the epoch spans ~5 s, and the pause lands early in it.
             assert faults.inject_over_http(srv.url, slow_boundary_s=0.1) == [{"rank": 0}]

@@ -19,6 +19,7 @@ import pytest
 
 from ainfer_pd_testing import faults
 from ainfer_pd_testing.collective_log import first_divergence, read_logs
+from ainfer_pd_testing.dev_server import SERVER_ENV, collective_rpc
 from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import read_metrics_text, scrape
@@ -280,10 +281,10 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
                               "--additional-config", json.dumps(lane),
                               "--data-parallel-size", "2", "--enable-expert-parallel",
                               "--worker-extension-cls", faults.WITH_LOG], 2,
-                 "ours-dp2-ep-fail", env=faults.SERVER_ENV)
+                 "ours-dp2-ep-fail", env=SERVER_ENV)
     ours = ServerRunner(srv.url, tiny_model)
     prefix = str(tmp_path / "collectives")
-    faults.collective_rpc_over_http(srv.url, "start_collective_log", prefix=prefix)
+    collective_rpc(srv.url, "start_collective_log", prefix=prefix)
 
     # Epoch 0 fails on every rank.
     assert faults.inject_over_http(srv.url, fail_epoch="0") == [{"rank": 0}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ainfer_pd.turnstile.crossed_cycle import Config, run
+from ainfer_pd_testing.crossed_cycle import Config, run
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from ainfer_pd_testing.launch import RankGroup, init_gloo
 from vllm_ainfer_pd.config import RENDEZVOUS, AInferPDConfig, ConfigError
 from vllm_ainfer_pd.turnstile import (
     HOST_ID_ENV,
@@ -31,14 +32,8 @@ from vllm_ainfer_pd.turnstile import (
     host_identity,
     make_rendezvous,
 )
-from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
-from vllm_ainfer_pd.turnstile.rendezvous import (
-    MAX_PAYLOAD,
-    PAYLOAD_MAX,
-    PAYLOAD_MIN,
-    _tagged,
-    _untag,
-)
+from vllm_ainfer_pd.turnstile.rendezvous import MAX_PAYLOAD, PAYLOAD_MAX, PAYLOAD_MIN
+from vllm_ainfer_pd.turnstile.rendezvous.host_segment import _tagged, _untag
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -346,11 +341,12 @@ def test_payload_values_beyond_48_bits_are_rejected_naming_them():
 def _write_by_hand(rdv, gen, payload, tags=None):
     """What rank `rdv.rank` stores to arrive at `gen`, word by word; `tags[i]` overrides the
     generation tag of value word i (a store not yet visible to the reader)."""
-    base = rdv._buffer(rdv._mine, gen)
-    rdv._view[base] = _tagged(gen, len(payload))
+    seg = rdv.segment
+    base = seg._buffer(seg._mine, gen)
+    seg._view[base] = _tagged(gen, len(payload))
     for i, value in enumerate(payload):
-        rdv._view[base + 1 + i] = _tagged(tags[i] if tags else gen, value)
-    rdv._view[rdv._mine] = gen
+        seg._view[base + 1 + i] = _tagged(tags[i] if tags else gen, value)
+    seg._view[seg._mine] = gen
 
 
 @pytest.fixture

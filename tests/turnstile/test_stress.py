@@ -7,9 +7,9 @@ import copy
 
 import pytest
 
+from ainfer_pd_testing.stress import StressConfig, check_seed, passed, run
+from ainfer_pd_testing.stress_plan import expected_log, expected_records, make_plan
 from vllm_ainfer_pd.turnstile import FixedSpan, OrderingMode
-from vllm_ainfer_pd.turnstile.stress import StressConfig, check_seed, passed, run
-from vllm_ainfer_pd.turnstile.stress_plan import expected_log, expected_records, make_plan
 
 pytestmark = pytest.mark.timeout(170)
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(170)
 @pytest.mark.slow
 def test_stress_passes_2560_cycles_for_each_of_5_seeds_with_rank_skew():
     # CI uses a 0.5 ms max skew so 12,800 cycles fit in about half a minute on 2 cores; the long
-    # run (python -m vllm_ainfer_pd.turnstile.stress) uses 20 ms.
+    # run (python -m ainfer_pd_testing.stress) uses 20 ms.
     cfg = StressConfig(cycles=2560, max_skew_ms=0.5, rendezvous="shm", policy="load")
     summary = run(4, [0, 1, 2, 3, 4], cfg, log=print)
     assert summary["ok"], [r["first_problem"] for r in summary["seeds"]]

@@ -1,12 +1,14 @@
 """The `vllm-ainfer-pd-rollout` CLI (`python -m vllm_ainfer_pd.rollout`): generate, stats, replay,
-compare, merge, ttft, project.
+compare, merge, ttft.
 
     generate --preset cpu --seed 0 --out trace.jsonl
     stats    --trace trace.jsonl            (or --preset paper)
     replay   --url http://127.0.0.1:8000 --preset cpu --wait-scale 0.1
     compare  --preset cpu --out rollout-out [--reps 3] [--variant normal='{"ainfer_pd":{...}}']
     ttft     rollout-out/records/pd-0.jsonl [...]   (TTFT by kind of turn, and the last trajectory)
-    project  validate | run | simulate               (the scale model, docs/scale-model.md)
+
+The scale model that projects rollouts past the GPUs at hand is not part of the package: it runs
+from a checkout (`python -m benchmarks.scale`, docs/scale-model.md).
 
 Errors the user can fix (unreachable server, bad trace, bad flag value) print one `error:` line and
 exit with status 2.
@@ -286,10 +288,6 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--lane-min-tokens", type=int, default=512,
                    help="the P lane's threshold, ainfer_pd.p_lane_min_tokens (default 512)")
     t.set_defaults(fn=cmd_ttft)
-
-    from vllm_ainfer_pd.rollout.scale.cli import add_parser as add_project_parser
-
-    add_project_parser(sub)  # `project validate|run|simulate`: the scale model
     return p
 
 

@@ -18,7 +18,7 @@ stops with one line naming the symbol and the difference, instead of failing ins
 | `forward_context.py` | the forward context and workspace manager, per thread |
 | `attention.py` | P's boundaries at each layer's attention call |
 | `collectives.py` | P's collectives routed onto D's stream |
-| `dp_sync.py` | the per-forward DP all-reduce, carrying each rank's queued P tokens and decode rows |
+| `dp_sync.py` | the per-forward DP all-reduce, carrying each rank's queued P tokens and D rows |
 | `streams.py` | vLLM's compute stream at a higher priority (GPU) |
 | `cpu_compat.py` | what vLLM's CPU path lacks for expert parallelism |
 | `moe_phase.py` | MoE layers: P's calls resolve to P's own expert-parallel state |

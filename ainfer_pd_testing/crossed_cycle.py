@@ -22,8 +22,8 @@ A watchdog in the parent reads every rank's state from shared memory; when nothi
 and the cycle), aborts the ranks and reports the hang. Ranks poll their pending gloo work, so
 every process exits; the launcher kills any that do not.
 
-    python -m vllm_ainfer_pd.turnstile.crossed_cycle --mode naive --seeds 10
-    python -m vllm_ainfer_pd.turnstile.crossed_cycle --mode turnstile --seeds 10
+    python -m ainfer_pd_testing.crossed_cycle --mode naive --seeds 10
+    python -m ainfer_pd_testing.crossed_cycle --mode turnstile --seeds 10
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ainfer_pd_testing.launch import RankGroup, context, init_gloo
 from vllm_ainfer_pd.turnstile.controller import SegmentController, TaskState
-from vllm_ainfer_pd.turnstile.launch import RankGroup, context, init_gloo
 from vllm_ainfer_pd.turnstile.policy import FixedSpan
 from vllm_ainfer_pd.turnstile.route import StreamRoute
 

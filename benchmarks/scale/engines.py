@@ -22,7 +22,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from vllm_ainfer_pd.rollout.scale.shape import Batch
+from benchmarks.scale.shape import Batch
 
 ENGINES = ("stock", "cadence", "normal", "pd")
 

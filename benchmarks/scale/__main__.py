@@ -1,12 +1,15 @@
-"""`vllm-ainfer-pd-rollout project ...`: the scale model from the command line.
+"""`python -m benchmarks.scale ...` (from the checkout's root): the scale model from the command
+line.
 
-    project validate [--out DIR]                      every measured run against the model
-    project run [--presets gpu,gpu-mla,deepseek-v3] [--dp 1,2,4,8,16] [--wait-scale 0.1]
-                [--trace-preset gpu-quick] [--no-paper] [--out DIR]
-    project simulate --profile FILE (--trace FILE | --preset NAME) [--engine pd] [--dp 2]
-                [--cadence 8] [--wait-scale 0.1]      one modelled replay, its summary as JSON
+    validate [--out DIR]                              every measured run against the model
+    run [--presets gpu,gpu-mla,deepseek-v3] [--dp 1,2,4,8,16] [--wait-scale 0.1]
+        [--trace-preset gpu-quick] [--no-paper] [--out DIR]
+    simulate --profile FILE (--trace FILE | --preset NAME) [--engine pd] [--dp 2]
+        [--cadence 8] [--wait-scale 0.1]              one modelled replay, its summary as JSON
 
-Profiles and results default to `benchmarks/results/scale/` of this checkout.
+Profiles and measured runs default to `benchmarks/results/` (`--profiles`, `--results`). Errors
+the user can fix (a bad profile, trace or flag value) print one `error:` line and exit with
+status 2.
 """
 
 from __future__ import annotations
@@ -16,18 +19,26 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.scale import project, validate
+from benchmarks.scale.costs import Layout
+from benchmarks.scale.engines import EngineSpec
+from benchmarks.scale.profile import load_profile
+from benchmarks.scale.sim import simulate
+from benchmarks.scale.validate import RESULTS
+from vllm_ainfer_pd.rollout.generator import generate
+from vllm_ainfer_pd.rollout.trace import TraceError, load_trace
 
-def scale_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "scale"
 
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("project", help="the scale model: validate it, or project DP x EP "
-                                       "rollouts past the GPUs at hand (docs/scale-model.md)")
-    psub = p.add_subparsers(dest="project_cmd", required=True)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    psub = p.add_subparsers(dest="cmd", required=True)
     v = psub.add_parser("validate", help="model every measured run in benchmarks/results")
     v.add_argument("--out", type=Path, default=None, help="write validation.md/.json here")
-    v.add_argument("--profiles", type=Path, default=None, help="folder of profile_*.json")
+    v.add_argument("--results", type=Path, default=RESULTS,
+                   help="the measured runs (default: benchmarks/results)")
+    v.add_argument("--profiles", type=Path, default=None,
+                   help="folder of profile_*.json (default: RESULTS/scale)")
     v.set_defaults(fn=cmd_validate)
     r = psub.add_parser("run", help="project DP = 1..16 with expert parallelism (projected)")
     r.add_argument("--presets", default="gpu,gpu-mla,deepseek-v3")
@@ -35,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--wait-scale", type=float, default=0.1)
     r.add_argument("--trace-preset", default="gpu-quick", help="one rank's load, repeated per rank")
     r.add_argument("--no-paper", action="store_true", help="skip the paper's setting")
-    r.add_argument("--profiles", type=Path, default=None)
+    r.add_argument("--profiles", type=Path, default=RESULTS / "scale",
+                   help="folder of profile_*.json (default: benchmarks/results/scale)")
     r.add_argument("--out", type=Path, default=None, help="write projection.md/.json/.png here")
     r.set_defaults(fn=cmd_run)
     s = psub.add_parser("simulate", help="one modelled replay of a trace")
@@ -49,22 +61,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dp", type=int, default=1)
     s.add_argument("--wait-scale", type=float, default=1.0)
     s.set_defaults(fn=cmd_simulate)
+    return p
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from vllm_ainfer_pd.rollout.scale import validate
-
-    rows = validate.validate(profiles_dir=args.profiles)
+    runs = validate.load_runs(args.results / "scale" / "runs.json")
+    rows = validate.validate(args.results, profiles_dir=args.profiles, runs=runs)
     print(validate.markdown(rows))
     print("\n".join(validate.summary_lines(rows)))
     if args.out:
-        print("written: " + ", ".join(map(str, validate.write(rows, args.out))))
+        paths = validate.write(rows, args.out, runs.excluded)
+        print("written: " + ", ".join(map(str, paths)))
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from vllm_ainfer_pd.rollout.scale import project
-
-    profs = project.default_profiles(args.profiles or scale_dir())
+    profs = project.default_profiles(args.profiles)
     presets = [p for p in args.presets.split(",") if p]
     unknown = sorted(set(presets) - set(profs))
     if unknown:
@@ -90,13 +101,22 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from vllm_ainfer_pd.rollout.generator import generate
-    from vllm_ainfer_pd.rollout.scale import EngineSpec, Layout, load_profile, simulate
-    from vllm_ainfer_pd.rollout.trace import load_trace
-
     trace = load_trace(args.trace) if args.trace else generate(args.preset, args.seed)
     spec = EngineSpec(args.engine, cadence=args.cadence)
     res = simulate(trace, load_profile(args.profile), Layout(dp=args.dp, ep=args.dp > 1), spec,
                    args.wait_scale)
     print(json.dumps({"label": "modelled", "engine": spec.label, "dp": args.dp,
                       "summary": res.summary, "counters": res.counters}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (TraceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_ainfer_pd.rollout.scale.profile import Profile, graph_mode
-from vllm_ainfer_pd.rollout.scale.shape import Batch, batch_work
+from benchmarks.scale.profile import Profile, graph_mode
+from benchmarks.scale.shape import Batch, batch_work
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ its enqueue. The stress counts D acknowledgements (post-D phases) that returned 
 still incomplete, as the paper's delayed-P control does: the turnstile orders enqueue, it does not
 fence completion (except in `global-complete` mode, where the count must be zero).
 
-    python -m vllm_ainfer_pd.turnstile.stress --ranks 4 --cycles 2560 --max-skew-ms 20 --seeds 5
+    python -m ainfer_pd_testing.stress --ranks 4 --cycles 2560 --max-skew-ms 20 --seeds 5
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vllm_ainfer_pd.turnstile.controller import SegmentController
-from vllm_ainfer_pd.turnstile.errors import EpochCancelled
-from vllm_ainfer_pd.turnstile.ladder import OrderingMode
-from vllm_ainfer_pd.turnstile.launch import RankGroup, init_gloo
-from vllm_ainfer_pd.turnstile.policy import make_policy
-from vllm_ainfer_pd.turnstile.stress_plan import (
+from ainfer_pd_testing.launch import RankGroup, init_gloo
+from ainfer_pd_testing.stress_plan import (
     EpochPlan,
     Plan,
     expected_log,
     expected_records,
     make_plan,
 )
+from vllm_ainfer_pd.turnstile.controller import SegmentController
+from vllm_ainfer_pd.turnstile.errors import EpochCancelled
+from vllm_ainfer_pd.turnstile.ladder import OrderingMode
+from vllm_ainfer_pd.turnstile.policy import make_policy
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_ainfer_pd.rollout.scale.costs import CostModel, Layout
-from vllm_ainfer_pd.rollout.scale.engines import EngineSpec, RankState, Req, plan_step
-from vllm_ainfer_pd.rollout.scale.profile import Profile
-from vllm_ainfer_pd.rollout.scale.shape import Batch
+from benchmarks.scale.costs import CostModel, Layout
+from benchmarks.scale.engines import EngineSpec, RankState, Req, plan_step
+from benchmarks.scale.profile import Profile
+from benchmarks.scale.shape import Batch
 from vllm_ainfer_pd.rollout.trace import Trace
 from vllm_ainfer_pd.turnstile.policy import Load, make_policy
 

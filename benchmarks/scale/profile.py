@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_ainfer_pd.rollout.scale.shape import Batch, ModelShape, Work, batch_work
+from benchmarks.scale.shape import Batch, ModelShape, Work, batch_work
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "max_num_batched_tokens": 8192, "max_num_seqs": 1024, "block_size": 16,

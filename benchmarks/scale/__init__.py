@@ -5,15 +5,17 @@ cost profiles and validated against the measured rollouts before it projects pas
 Module map: shape.py (a MoE's bytes and FLOPs per forward), profile.py (cost profiles and their
 fit), costs.py (forwards, collectives and lockstep), engines.py (what each engine schedules per
 rank), sim.py (the event loop: client, router, ranks, the lane's rounds), validate.py (every
-measured run), project.py (DP = 1..16), cli.py (`vllm-ainfer-pd-rollout project ...`).
+measured run, as listed in `benchmarks/results/scale/runs.json`), project.py (DP = 1..16),
+__main__.py (`python -m benchmarks.scale ...`, from the checkout's root). Not part of the
+installed package: it reads the measured runs and profiles in `benchmarks/results/`.
 """
 
 from __future__ import annotations
 
-from vllm_ainfer_pd.rollout.scale.costs import CostModel, Layout
-from vllm_ainfer_pd.rollout.scale.engines import ENGINES, EngineSpec
-from vllm_ainfer_pd.rollout.scale.profile import Profile, load_profile
-from vllm_ainfer_pd.rollout.scale.sim import SimResult, simulate
+from benchmarks.scale.costs import CostModel, Layout
+from benchmarks.scale.engines import ENGINES, EngineSpec
+from benchmarks.scale.profile import Profile, load_profile
+from benchmarks.scale.sim import SimResult, simulate
 
 __all__ = ["ENGINES", "CostModel", "EngineSpec", "Layout", "Profile", "SimResult",
            "load_profile", "simulate"]

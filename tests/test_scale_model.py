@@ -1,4 +1,4 @@
-"""The scale model (vllm_ainfer_pd/rollout/scale/): a hand-computed case, the calibration read from
+"""The scale model (benchmarks/scale/): a hand-computed case, the calibration read from
 the checked-in profiles, the router against the measured prefix-cache hits, and the CLI. No vLLM
 engine starts."""
 
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ainfer_pd.rollout.__main__ import main
-from vllm_ainfer_pd.rollout.scale import EngineSpec, Layout, load_profile, simulate
-from vllm_ainfer_pd.rollout.scale.engines import RankState, Req, plan_step
-from vllm_ainfer_pd.rollout.scale.profile import Costs, Profile
-from vllm_ainfer_pd.rollout.scale.shape import ModelShape
+from benchmarks.scale import EngineSpec, Layout, load_profile, simulate
+from benchmarks.scale.__main__ import main
+from benchmarks.scale.engines import RankState, Req, plan_step
+from benchmarks.scale.profile import Costs, Profile
+from benchmarks.scale.shape import ModelShape
+from benchmarks.scale.validate import load_runs
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCALE = ROOT / "benchmarks" / "results" / "scale"
 
 
@@ -145,11 +146,11 @@ def test_router_reproduces_the_measured_prefix_cache_hits_at_dp2():
 
 
 def test_cli_simulate_and_project_run(tmp_path, capsys):
-    main(["project", "simulate", "--profile", str(SCALE / "profile_gpu.json"), "--preset", "cpu",
+    main(["simulate", "--profile", str(SCALE / "profile_gpu.json"), "--preset", "cpu",
           "--engine", "pd", "--dp", "2", "--wait-scale", "0.1"])
     out = json.loads(capsys.readouterr().out)
     assert out["summary"]["completed"] == out["summary"]["requests"] == 48
-    main(["project", "run", "--presets", "gpu", "--dp", "1,2", "--trace-preset", "cpu",
+    main(["run", "--presets", "gpu", "--dp", "1,2", "--trace-preset", "cpu",
           "--no-paper", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "projected" in text and (tmp_path / "projection.json").is_file()
@@ -161,6 +162,17 @@ def test_cli_bad_profile_is_one_error_line(tmp_path, capsys):
     bad = tmp_path / "p.json"
     bad.write_text("{not json")
     with pytest.raises(SystemExit) as e:
-        main(["project", "simulate", "--profile", str(bad), "--preset", "cpu"])
+        main(["simulate", "--profile", str(bad), "--preset", "cpu"])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_every_run_listed_for_validation_has_its_report_and_profile():
+    runs = load_runs(SCALE / "runs.json")
+    assert len(runs.runs) > 40 and runs.excluded
+    for run in runs.runs:
+        report = json.loads((ROOT / "benchmarks" / "results" / run.call / "report.json")
+                            .read_text())
+        assert run.backend in report["backends"], (run.call, run.backend)
+    for name in runs.profiles.values():
+        assert (SCALE / name).is_file(), name

@@ -20,12 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scale.costs import Layout
+from benchmarks.scale.engines import EngineSpec
+from benchmarks.scale.profile import Costs, Profile, load_profile
+from benchmarks.scale.shape import ModelShape
+from benchmarks.scale.sim import simulate
 from vllm_ainfer_pd.rollout.generator import generate
-from vllm_ainfer_pd.rollout.scale.costs import Layout
-from vllm_ainfer_pd.rollout.scale.engines import EngineSpec
-from vllm_ainfer_pd.rollout.scale.profile import Costs, Profile, load_profile
-from vllm_ainfer_pd.rollout.scale.shape import ModelShape
-from vllm_ainfer_pd.rollout.scale.sim import simulate
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory
 
 DPS = (1, 2, 4, 8, 16)
