@@ -8,6 +8,8 @@ import pytest
 
 from vllm_ainfer_pd.turnstile import Load
 from vllm_ainfer_pd.turnstile.round_plan import (
+    CLEAN,
+    STOOD_IN,
     EpochGate,
     PostD,
     PreD,
@@ -27,7 +29,7 @@ def post(*tokens: int, occupancy: float = 0.0) -> list[PostD]:
 
 
 def test_payloads_round_trip_through_rendezvous_ints():
-    for pre in (PreD(), PreD(PState.STUCK, 7, failed=True, retired=True), PARKED3):
+    for pre in (PreD(), PreD(PState.STUCK, 7, failed=CLEAN, retired=True), PARKED3):
         assert PreD.decode(pre.encode()) == pre
     mine = PostD(1234, Load(0.25, 1.5, 0.125))
     assert PostD.decode(mine.encode()) == mine
@@ -43,15 +45,19 @@ def test_open_epoch_releases_while_every_rank_is_parked_at_the_same_boundary():
 def test_a_failed_rank_replays_to_the_end_and_fails_only_its_dp_replica():
     """A failed rank replays to where its peers park (so segments go on being released), and at
     the end only the DP replicas with a failed rank fail their jobs."""
-    assert plan_round([PARKED3, PreD(PState.PARKED, 3, failed=True)], post(5, 0),
+    assert plan_round([PARKED3, PreD(PState.PARKED, 3, failed=CLEAN)], post(5, 0),
                       epoch_open=True, ranks_per_dp=1) == RoundPlan(release=True)
-    done, failed = PreD(PState.DONE, 9), PreD(PState.DONE, 9, failed=True)
+    done, failed = PreD(PState.DONE, 9), PreD(PState.DONE, 9, failed=CLEAN)
     # DP=2 x TP=2: rank 3 (DP replica 1) failed.
     plan = plan_round([done, done, done, failed], post(8, 8, 8, 8), epoch_open=True,
                       ranks_per_dp=2)
     assert plan == RoundPlan(end=True, failed=(False, True))  # no opening beside a failure
+    # Failed after issuing collectives: its stand-ins fed every replica's P, so all fail.
+    tainted = PreD(PState.DONE, 9, failed=STOOD_IN)
+    assert plan_round([done, done, done, tainted], post(8, 8, 8, 8), epoch_open=True,
+                      ranks_per_dp=2) == RoundPlan(end=True, failed=(True, True))
     # A rank that cannot replay ends the epoch at once, failed everywhere, parked P cancelled.
-    stuck = PreD(PState.STUCK, 2, failed=True)
+    stuck = PreD(PState.STUCK, 2, failed=CLEAN)
     for order in itertools.permutations([PARKED3, stuck]):
         assert plan_round(list(order), post(0, 0), epoch_open=True, ranks_per_dp=1) == \
             RoundPlan(end=True, failed=(True, True), cancel=True)
@@ -75,7 +81,7 @@ def test_retired_state_is_rebuilt_before_any_epoch_opens():
 def test_ranks_stopped_apart_are_a_mismatch_naming_every_rank():
     with pytest.raises(RoundPlanMismatch, match=r"rank 1: .*rank 0: parked at boundary 3, "
                                                 r"rank 1: parked \(failed\) at boundary 4"):
-        plan_round([PARKED3, PreD(PState.PARKED, 4, failed=True)], post(0, 0), epoch_open=True,
+        plan_round([PARKED3, PreD(PState.PARKED, 4, failed=CLEAN)], post(0, 0), epoch_open=True,
                    ranks_per_dp=1, rank=1)
     with pytest.raises(RoundPlanMismatch, match="some done while others are parked"):
         plan_round([PARKED3, PreD(PState.DONE, 9)], post(0, 0), epoch_open=True,
@@ -85,8 +91,8 @@ def test_ranks_stopped_apart_are_a_mismatch_naming_every_rank():
 def test_every_rank_computes_the_same_plan_from_the_same_payloads():
     """The plan reads nothing but its arguments: over many payload sets, each rank's call (its
     own rank number the only difference) gives one plan."""
-    states = [PreD(), PARKED3, PreD(PState.DONE, 9), PreD(PState.PARKED, 3, failed=True),
-              PreD(PState.STUCK, 1, failed=True), PreD(retired=True)]
+    states = [PreD(), PARKED3, PreD(PState.DONE, 9), PreD(PState.PARKED, 3, failed=CLEAN),
+              PreD(PState.STUCK, 1, failed=CLEAN), PreD(retired=True)]
     for pre in itertools.product(states, repeat=3):
         for epoch_open in (True, False):
             plans = set()

@@ -24,8 +24,11 @@ Rules, in order:
    the collectives they issue, and says `failed`. While every rank is parked at the same
    boundary the next segment is released; once every rank's forward is done the epoch ends on
    every rank, failed for each DP replica with a failed rank (its TP ranks share its jobs'
-   KV), completed for the others. A rank that could not replay (`STUCK`) ends the epoch at
-   once, failed everywhere: the others' parked P is cancelled at its permit. Ranks stopped
+   KV), completed for the others, unless a failed rank had already issued collectives
+   (`stood_in`): its replay's stand-ins then fed its peers meaningless values (an expert's
+   output, a TP partial sum), so every replica's jobs fail. A rank that could not replay
+   (`STUCK`) ends the epoch at once, failed everywhere: the others' parked P is cancelled at
+   its permit. Ranks stopped
    apart (one done while another is parked, or parked at different boundaries) have already
    issued different collectives: that is a `RoundPlanMismatch`, naming every rank.
 2. **No epoch open** (or the open one just ended completed on every replica): if any rank's P
@@ -48,6 +51,7 @@ from vllm_ainfer_pd.turnstile.errors import TurnstileError
 from vllm_ainfer_pd.turnstile.policy import Load
 
 MICRO = 1_000_000  # load figures travel as integers in millionths
+CLEAN, STOOD_IN = 1, 2  # how a rank failed (`PreD.failed`): before, or after, its first collective
 
 
 class PState(enum.IntEnum):
@@ -63,16 +67,18 @@ class PState(enum.IntEnum):
 class PreD:
     state: PState = PState.IDLE
     boundary: int = -1  # the last boundary P published (-1: none)
-    failed: bool = False  # this rank's part of the epoch failed (it replays, or is stuck)
+    # This rank's part of the epoch failed (it replays, or is stuck): 1 before it issued any
+    # collective, 2 after (its replay then returns stand-ins its peers' P computed with).
+    failed: int = 0
     retired: bool = False  # this rank's expert-parallel state for P must be rebuilt
 
     def encode(self) -> tuple[int, ...]:
-        return int(self.state), self.boundary, int(self.failed), int(self.retired)
+        return int(self.state), self.boundary, self.failed, int(self.retired)
 
     @classmethod
     def decode(cls, words: Sequence[int]) -> PreD:
         state, boundary, failed, retired = words
-        return cls(PState(state), boundary, bool(failed), bool(retired))
+        return cls(PState(state), boundary, failed, bool(retired))
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,11 @@ def plan_round(pre: Sequence[PreD], post: Sequence[PostD], *, epoch_open: bool,
         everywhere = (True,) * (len(pre) // ranks_per_dp)
         return RoundPlan(end=True, failed=everywhere, cancel=True, load=load)
     if all(s is PState.DONE for s in states):
-        failed = tuple(any(p.failed for p in pre[i:i + ranks_per_dp])
-                       for i in range(0, len(pre), ranks_per_dp))
+        if any(p.failed == STOOD_IN for p in pre):
+            failed = (True,) * (len(pre) // ranks_per_dp)
+        else:
+            failed = tuple(any(p.failed for p in pre[i:i + ranks_per_dp])
+                           for i in range(0, len(pre), ranks_per_dp))
         plan = RoundPlan() if any(failed) else _idle_plan(pre, post, ranks_per_dp, load)
         return RoundPlan(end=True, failed=failed, open=plan.open, rebuild=plan.rebuild,
                          load=load)

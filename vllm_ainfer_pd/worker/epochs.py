@@ -43,6 +43,7 @@ class Epoch:
     # `skip` collectives were already issued before the failure.
     replay_from: int = -1
     skip: int = 0
+    stood_in: int = 0  # collectives the replay stands in for (0: it failed before any)
     drain_deadline: float = 0.0  # a closed epoch's device work must have drained by then
     failed: bool = False
 

@@ -39,7 +39,15 @@ from vllm_ainfer_pd.turnstile import (
     Turnstile,
     make_policy,
 )
-from vllm_ainfer_pd.turnstile.round_plan import EpochGate, PostD, PreD, PState, plan_round
+from vllm_ainfer_pd.turnstile.round_plan import (
+    CLEAN,
+    STOOD_IN,
+    EpochGate,
+    PostD,
+    PreD,
+    PState,
+    plan_round,
+)
 from vllm_ainfer_pd.vllm_glue import dp_sync, forward_context
 from vllm_ainfer_pd.wire import PLaneMetadata, Report
 from vllm_ainfer_pd.worker.epochs import Epochs, tokens
@@ -271,7 +279,8 @@ class PLane(LaneRound):
             status = self.controller.status()
             state = {TaskState.PARKED: PState.PARKED, TaskState.DONE: PState.DONE}.get(
                 status.state, PState.STUCK)  # FAILED (no replay), or never stopped
-            mine = PreD(state, status.reached, epoch.error is not None, retired)
+            failed = 0 if epoch.error is None else (STOOD_IN if epoch.stood_in else CLEAN)
+            mine = PreD(state, status.reached, failed, retired)
         start = time.perf_counter()
         self.turnstile.rendezvous.pre_d(mine.encode())
         self._met(time.perf_counter() - start)
@@ -351,8 +360,8 @@ class PLane(LaneRound):
             self.phase_ep.close_epoch(failed=failed)
             self.stats.p_collectives_own = self.phase_ep.own_collectives
         if failed:
-            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank,
-                         epoch.error or "a rank of this DP replica failed")
+            why = epoch.error or "a peer's P failed (the round plan fails the epoch here too)"
+            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, why)
             self.epochs.fail(epoch)
             return
         if self.turnstile.mode.fences_device and epoch.event is not None:

@@ -193,7 +193,8 @@ class PThread:
             if not self.replay_failures:
                 raise
             epoch.error = exc
-            epoch.replay_from, epoch.skip = epoch.reached, epoch.collectives
+            epoch.replay_from = epoch.reached
+            epoch.skip = epoch.stood_in = epoch.collectives
             self._run_model(epoch, self.builder.no_work(max(announced, 1)), across_dp)
 
     def _prepare(self, epoch: Epoch) -> PBatch:
