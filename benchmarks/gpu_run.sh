@@ -34,6 +34,16 @@
 #              gpu_pause.py's prompts(4) after its weight update: stock's tokens in six batches
 #              (CUDA graphs), then in eager mode with every router's top-k margin (stock's own
 #              batch sensitivity after the weight update, RESULTS.md; ~3 min)
+#   attn1      TP=1 bf16, P lane on, lane parity with each attention backend vLLM 0.26 offers on
+#              Hopper, named (--attention-backend): FLASH_ATTN, FLASHINFER, TRITON_ATTN,
+#              FLEX_ATTENTION (or the comma-separated $ATTN_BACKENDS); the tiny model, except
+#              FLASHINFER on the gpu preset with dummy weights (carry .gpu/gpu-model: FlashInfer
+#              refuses the tiny model's head size 32). $OUT/attn_tp1_bfloat16_<model>_<BACKEND>.json
+#              each; a backend the lane refuses at start is recorded there as "refused" (rc=2).
+#              ATTN_EAGER=1: both engines --enforce-eager (a quicker pass, ~1 min per backend
+#              instead of ~3.5)
+#   attn1mla   the same on MLA (the tiny-mla preset, generated here): FLASH_ATTN_MLA, FLASHMLA,
+#              FLASHINFER_MLA, TRITON_MLA (or $ATTN_BACKENDS)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -232,6 +242,21 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
               echo "== $n: rc=$?"
             done ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
+    attn1|attn1mla)
+      if [[ $job == attn1 ]]; then list=${ATTN_BACKENDS:-FLASH_ATTN,FLASHINFER,TRITON_ATTN,FLEX_ATTENTION}
+      else tiny_mla; list=${ATTN_BACKENDS:-FLASH_ATTN_MLA,FLASHMLA,FLASHINFER_MLA,TRITON_MLA}; fi
+      eager=(); sfx=
+      [[ ${ATTN_EAGER:-0} == 1 ]] && { eager=(--enforce-eager); sfx=_eager; }
+      for be in ${list//,/ }; do
+        if [[ $job == attn1mla ]]; then model=(--model /tmp/tiny-mla); tag=tiny_mla
+        elif [[ $be == FLASHINFER ]]; then model=(--model .gpu/gpu-model --load-format dummy); tag=gpu
+        else model=(--model .gpu/tiny); tag=tiny; fi
+        n=attn_tp1_bfloat16${sfx}_${tag}_$be
+        parity $n 0 "${model[@]}" --tp 1 --dtype bfloat16 --additional-config "$LANE" \
+          --attention-backend $be "${eager[@]}"
+        grep -E "^(parity|refused):" /tmp/gpu-logs/$n.log | tail -1
+        echo "   elapsed $(( $(date +%s) - start )) s"
+      done ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
     deepep1|deepep2|dp2deepep)
