@@ -59,8 +59,8 @@
 #              >= 2.30.4 (torch brings 2.28.9): an nvidia-nccl-cu13 >= 2.30.4 importable as
 #              nvidia.nccl (e.g. in the vLLM pack) or NCCL_DIR; without one that build stops in one
 #              line and the job builds $DEEPEP_SRC_FALLBACK (default .gpu/deepep-src-1x: a 1.x commit
-#              with enable_shrink, 29d31c0) if carried. Writes $OUT/deepep/ (build_info.json, the
-#              report, the build log)
+#              with enable_shrink, 29d31c0) if carried. Writes $OUT/deepep/build_info.json and
+#              $OUT/deepep/deepep_vllm_one_gpu.json (the build logs go into logs.tar.gz)
 #   deepep2    two GPUs, no vLLM: benchmarks/deepep_two_gpu.py (P's normal mode beside D's low
 #              latency under the turnstile, 5 x 512 rounds with 0-20 ms skew against exact references;
 #              D's time with P active vs alone, P's SMs 12/24/all); needs JOB_TIMEOUT_S=590
@@ -278,9 +278,9 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
         echo "== deepep1vllm: build_deepep.sh from $src"
         if DEEPEP_SRC=$src PYTHON=python3 DEEPEP_COMMIT=any DEEPEP_BUILD_DIR=/tmp/deepep-build \
              bash scripts/build_deepep.sh > $log 2>&1; then
-          echo "   built: $(tail -1 $log)"; cp $log $d/; break
+          echo "   built: $(tail -1 $log)"; break
         fi
-        echo "   failed: $(grep -v '^ ' $log | tail -1)"; cp $log $d/
+        echo "   failed: $(grep -v '^ ' $log | tail -1)"
       done
       [[ -f $info ]] || continue
       cp $info $d/
@@ -289,7 +289,7 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
       CUDA_VISIBLE_DEVICES=0 LD_PRELOAD=$pre timeout -k 30 $T python3 \
         benchmarks/deepep_vllm_one_gpu.py --build-info $info --out $d/deepep_vllm_one_gpu.json \
         > /tmp/gpu-logs/deepep1vllm.log 2>&1
-      echo "== deepep1vllm: rc=$?"; cp /tmp/gpu-logs/deepep1vllm.log $d/ ;;
+      echo "== deepep1vllm: rc=$?" ;;
     deepep1|deepep2|dp2deepep)
       if ! python3 -c 'import deep_ep' 2>/dev/null; then
         [[ -n ${DEEPEP_SRC:-} ]] || { echo "== $job: no deep_ep; set DEEPEP_SRC"; continue; }
