@@ -178,13 +178,15 @@ def run(args, result: dict) -> None:
         num_qps_per_rank=local_experts, explicitly_destroy=True))
     # EP=1 has no recommended normal-mode config (DeepEPSizes refuses it): size P's NVLink ring
     # with the EP=2 chunk sizes at one rank, DeepEP's own hint.
-    p_nvl = deep_ep.Config(args.p_sms, 6, 256, 6, 128).get_nvl_buffer_size_hint(args.hidden * 2, 1)
+    p_config = deep_ep.Config(args.p_sms, 6, 256, 6, 128)
+    p_nvl = p_config.get_nvl_buffer_size_hint(args.hidden * 2, 1)
     sizes = DeepEPSizes(1, args.hidden, args.experts, args.top_k, args.p_sms, 8192,
                         args.ll_tokens, p_nvl, d_rdma, 0, 8192 * args.hidden * 2)
     print(f"[one-gpu] EP=1 pair: {sizes.describe()}", flush=True)
     result["sizes_pair_ep1"] = sizes.describe()
     buffers = step(result, "p_normal_buffer_ep1",
-                   lambda: PhaseBuffers(deep_ep, group, sizes, d_buffer))
+                   lambda: PhaseBuffers(deep_ep, group, sizes, d_buffer,
+                                        configs=(p_config, p_config)))
     if buffers is not None:
         result["p_normal_buffer_ep1"]["value"] = "built"
         step(result, "p_dispatch_layout_ep1",

@@ -159,9 +159,9 @@ class PhasePair:
                                   num_qps_per_rank=setup.experts // WORLD,
                                   explicitly_destroy=True)
         self.buffers = PhaseBuffers(deep_ep, group, self.sizes, d_buffer)
-        # DeepEPSizes set DeepEP's normal-mode SM count; these configs carry it.
-        self.dispatch_config = deep_ep.Buffer.get_dispatch_config(WORLD)
-        self.combine_config = deep_ep.Buffer.get_combine_config(WORLD)
+        # P's configs carry P's SM count (DeepEP's class-wide count is left as it was).
+        self.dispatch_config = self.buffers.dispatch_config
+        self.combine_config = self.buffers.combine_config
         self.d_stream = torch.cuda.Stream()
         self.p_stream = torch.cuda.Stream()
 

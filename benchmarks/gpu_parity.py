@@ -36,6 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
+from vllm_ainfer_pd.config import ConfigError
+from vllm_ainfer_pd.plugin import registration_problem
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
@@ -52,6 +55,9 @@ def parse_args() -> argparse.Namespace:
                         help="JSON for our engine only, e.g. "
                              "'{\"ainfer_pd\": {\"p_lane_min_tokens\": 32}}'")
     parser.add_argument("--load-format", default=None, help="both engines, e.g. dummy")
+    parser.add_argument("--attention-backend", default=None,
+                        help="both engines, vLLM's name, e.g. FLASHINFER (default: vLLM's "
+                             "choice); a backend the lane refuses is recorded as refused")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="both engines: no torch.compile, no CUDA graphs (diagnosis)")
     parser.add_argument("--compilation-config", type=json.loads, default=None,
@@ -85,12 +91,18 @@ def main() -> int:
     # A wall-clock limit (`timeout`) sends SIGTERM: unwind, so the `vllm serve` process groups
     # (started with setsid, out of reach of `timeout`) are stopped and the report is still written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
-    result: dict = {"argv": vars(args)}
+    result: dict = {"argv": vars(args), "attention_backend": args.attention_backend}
     try:
+        problem = None if args.control else registration_problem()
+        if problem is not None:  # vLLM would fail inside VllmConfig, naming nothing of ours
+            raise RuntimeError(f"the ainfer_pd plugin would not load in vLLM: {problem}")
         if args.dp > 1:
             serve_parity(args, result)
         else:
             offline_parity(args, result)
+    except ConfigError as exc:  # the backend refused this configuration at start, in one line
+        result["refused"] = str(exc)
+        print(f"refused: {exc}", flush=True)
     except BaseException as exc:  # the report is still written, with what failed and where
         result["error"] = repr(exc)
         result["traceback"] = traceback.format_exc()
@@ -98,12 +110,16 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(summary(result), flush=True)
-    return 1 if "error" in result else 0
+    return 1 if "error" in result else 2 if "refused" in result else 0
 
 
 def summary(result: dict) -> str:
     head = (f"parity: exact={result.get('exact')} tie={result.get('tie')} "
             f"fail={result.get('fail')}")
+    if result.get("attention_backend"):
+        head += f" attention_backend={result['attention_backend']}"
+    if "refused" in result:
+        head += f" REFUSED {result['refused']}"
     if "error" in result:
         head += f" ERROR {result['error'][:300]}"
     lanes = result.get("ours_workers_after") or []
@@ -113,7 +129,8 @@ def summary(result: dict) -> str:
                  f"failed={lane.get('jobs_failed')} epochs={lane.get('epochs')} "
                  f"segments={lane.get('segments')} after_d={lane.get('segments_after_d')} "
                  f"p_tokens={lane.get('p_tokens')} inflight={lane.get('inflight')} "
-                 f"p_workspace_bytes={rank.get('p_workspace_bytes')}")
+                 f"p_workspace_bytes={rank.get('p_workspace_bytes')} "
+                 f"attention_backends={rank.get('attention_backends')}")
     for engine in ("stock", "ours"):
         if f"{engine}_spec_decode" in result:
             head += f"\n  {engine} speculative decoding: {result[f'{engine}_spec_decode']}"
@@ -144,6 +161,8 @@ def offline_parity(args, result: dict) -> None:
                        enforce_eager=args.enforce_eager)
     if args.load_format:
         engine_args["load_format"] = args.load_format
+    if args.attention_backend:
+        engine_args["attention_backend"] = args.attention_backend
     if args.compilation_config is not None:
         engine_args["compilation_config"] = args.compilation_config
     if args.speculative_config is not None:
@@ -155,6 +174,12 @@ def offline_parity(args, result: dict) -> None:
     prompts = [p for w in waves for p in w]
     result.update(versions=versions(), engine_args=engine_args,
                   ours_additional_config=args.additional_config)
+    if args.attention_backend:
+        # Build our engine's config first: a backend the lane refuses is refused there, before
+        # either engine starts.
+        from vllm.engine.arg_utils import EngineArgs
+
+        EngineArgs(**ours_args).create_engine_config()
     t0 = time.time()
     stock_llm = LLM(**engine_args)
     stock = LLMRunner(stock_llm)
@@ -235,6 +260,8 @@ def serve_parity(args, result: dict) -> None:
         flags.append("--enforce-eager")
     if args.load_format:
         flags += ["--load-format", args.load_format]
+    if args.attention_backend:
+        flags += ["--attention-backend", args.attention_backend]
     if args.compilation_config is not None:
         flags += ["--compilation-config", json.dumps(args.compilation_config)]
     ours_flags = flags + ["--distributed-executor-backend", "ainfer_pd"]

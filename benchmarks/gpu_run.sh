@@ -34,12 +34,33 @@
 #              gpu_pause.py's prompts(4) after its weight update: stock's tokens in six batches
 #              (CUDA graphs), then in eager mode with every router's top-k margin (stock's own
 #              batch sensitivity after the weight update, RESULTS.md; ~3 min)
+#   attn1      TP=1 bf16, P lane on, lane parity with each attention backend vLLM 0.26 offers on
+#              Hopper, named (--attention-backend): FLASH_ATTN, FLASHINFER, TRITON_ATTN,
+#              FLEX_ATTENTION (or the comma-separated $ATTN_BACKENDS); the tiny model, except
+#              FLASHINFER on the gpu preset with dummy weights (carry .gpu/gpu-model: FlashInfer
+#              refuses the tiny model's head size 32). $OUT/attn_tp1_bfloat16_<model>_<BACKEND>.json
+#              each; a backend the lane refuses at start is recorded there as "refused" (rc=2).
+#              ATTN_EAGER=1: both engines --enforce-eager (a quicker pass, ~1 min per backend
+#              instead of ~3.5)
+#   attn1mla   the same on MLA (the tiny-mla preset, generated here): FLASH_ATTN_MLA, FLASHMLA,
+#              FLASHINFER_MLA, TRITON_MLA (or $ATTN_BACKENDS)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
 #   deepep1    one GPU, no vLLM: benchmarks/deepep_one_gpu.py (phase-owned DeepEP sizes; both buffers
 #              and what runs of them at EP=1). DeepEP is built first with scripts/build_deepep.sh
-#              from $DEEPEP_SRC (a v1.2.1 checkout) where `import deep_ep` fails
+#              from $DEEPEP_SRC where `import deep_ep` fails
+#   deepep1vllm one GPU, vLLM's own manager: DeepEP built here with scripts/build_deepep.sh from
+#              the checkout in $DEEPEP_SRC (default .gpu/deepep-src: vLLM 0.26's pin d4f41e4e93 with
+#              its third-party/fmt, made by scripts/deepep_source.sh), then
+#              benchmarks/deepep_vllm_one_gpu.py (vLLM's DeepEPLLAll2AllManager builds D's buffer,
+#              the lane's normal-mode buffer beside it, the guard, the sizes, P's SM count, the
+#              low-latency dispatch + combine with vLLM's keywords at EP=1). d4f41e4e93 needs NCCL
+#              >= 2.30.4 (torch brings 2.28.9): an nvidia-nccl-cu13 >= 2.30.4 importable as
+#              nvidia.nccl (e.g. in the vLLM pack) or NCCL_DIR; without one that build stops in one
+#              line and the job builds $DEEPEP_SRC_FALLBACK (default .gpu/deepep-src-1x: a 1.x commit
+#              with enable_shrink, 29d31c0) if carried. Writes $OUT/deepep/build_info.json and
+#              $OUT/deepep/deepep_vllm_one_gpu.json (the build logs go into logs.tar.gz)
 #   deepep2    two GPUs, no vLLM: benchmarks/deepep_two_gpu.py (P's normal mode beside D's low
 #              latency under the turnstile, 5 x 512 rounds with 0-20 ms skew against exact references;
 #              D's time with P active vs alone, P's SMs 12/24/all); needs JOB_TIMEOUT_S=590
@@ -232,8 +253,43 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
               echo "== $n: rc=$?"
             done ;;
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
+    attn1|attn1mla)
+      if [[ $job == attn1 ]]; then list=${ATTN_BACKENDS:-FLASH_ATTN,FLASHINFER,TRITON_ATTN,FLEX_ATTENTION}
+      else tiny_mla; list=${ATTN_BACKENDS:-FLASH_ATTN_MLA,FLASHMLA,FLASHINFER_MLA,TRITON_MLA}; fi
+      eager=(); sfx=
+      [[ ${ATTN_EAGER:-0} == 1 ]] && { eager=(--enforce-eager); sfx=_eager; }
+      for be in ${list//,/ }; do
+        if [[ $job == attn1mla ]]; then model=(--model /tmp/tiny-mla); tag=tiny_mla
+        elif [[ $be == FLASHINFER ]]; then model=(--model .gpu/gpu-model --load-format dummy); tag=gpu
+        else model=(--model .gpu/tiny); tag=tiny; fi
+        n=attn_tp1_bfloat16${sfx}_${tag}_$be
+        parity $n 0 "${model[@]}" --tp 1 --dtype bfloat16 --additional-config "$LANE" \
+          --attention-backend $be "${eager[@]}"
+        grep -E "^(parity|refused):" /tmp/gpu-logs/$n.log | tail -1
+        echo "   elapsed $(( $(date +%s) - start )) s"
+      done ;;
     tp2) parity tp2_${DT:-bfloat16}${TP2_SUFFIX:-} 0,1 --model ${TP2_MODEL:-.gpu/tiny} --tp 2 \
            --dtype ${DT:-bfloat16} --additional-config "$LANE" ${TP2_FLAGS:-} ;;
+    deepep1vllm)
+      d=$OUT/deepep; mkdir -p $d; info=/tmp/deepep-build/build_info.json; rm -f $info
+      for src in ${DEEPEP_SRC:-.gpu/deepep-src} ${DEEPEP_SRC_FALLBACK:-.gpu/deepep-src-1x}; do
+        [[ -d $src ]] || { echo "== deepep1vllm: no DeepEP checkout at $src"; continue; }
+        log=/tmp/gpu-logs/build_deepep_$(basename $src).log
+        echo "== deepep1vllm: build_deepep.sh from $src"
+        if DEEPEP_SRC=$src PYTHON=python3 DEEPEP_COMMIT=any DEEPEP_BUILD_DIR=/tmp/deepep-build \
+             bash scripts/build_deepep.sh > $log 2>&1; then
+          echo "   built: $(tail -1 $log)"; break
+        fi
+        echo "   failed: $(grep -v '^ ' $log | tail -1)"
+      done
+      [[ -f $info ]] || continue
+      cp $info $d/
+      pre=$(python3 -c "import json; print(json.load(open('$info'))['preload'])")
+      echo "== deepep1vllm: deepep_vllm_one_gpu.py (LD_PRELOAD=${pre:-none})"
+      CUDA_VISIBLE_DEVICES=0 LD_PRELOAD=$pre timeout -k 30 $T python3 \
+        benchmarks/deepep_vllm_one_gpu.py --build-info $info --out $d/deepep_vllm_one_gpu.json \
+        > /tmp/gpu-logs/deepep1vllm.log 2>&1
+      echo "== deepep1vllm: rc=$?" ;;
     deepep1|deepep2|dp2deepep)
       if ! python3 -c 'import deep_ep' 2>/dev/null; then
         [[ -n ${DEEPEP_SRC:-} ]] || { echo "== $job: no deep_ep; set DEEPEP_SRC"; continue; }

@@ -87,6 +87,36 @@ def test_the_packages_info_logs_reach_vllms_handler_once():
     assert "below-vllms-level" not in printed
 
 
+def test_registration_problem_names_why_vllm_would_not_load_the_plugin(monkeypatch):
+    import importlib.metadata
+
+    from vllm_ainfer_pd.plugin import registration_problem
+
+    monkeypatch.setenv("VLLM_PLUGINS", "another")
+    assert registration_problem() == "VLLM_PLUGINS='another' leaves out 'ainfer_pd'"
+    monkeypatch.setenv("VLLM_PLUGINS", "another,ainfer_pd")
+    assert registration_problem() is None  # the package is installed in the test environment
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])  # on PYTHONPATH only
+    assert registration_problem().startswith(
+        "no vllm.general_plugins entry point named 'ainfer_pd': the package is importable but "
+        "not installed")
+
+
+@pytest.mark.slow
+def test_without_the_plugin_vllm_fails_inside_vllm_config_with_the_unpack_error(tiny_model):
+    """What a user sees where the plugin did not load (the package on PYTHONPATH only): vLLM's
+    own `Executor.get_class` resolves `ainfer_pd` as a class path (`resolve_obj_by_qualname`:
+    `module, name = qualname.rsplit(".", 1)`) and pydantic reports the ValueError."""
+    code = ("from vllm.engine.arg_utils import EngineArgs\n"
+            f"EngineArgs(model={tiny_model!r}, distributed_executor_backend='ainfer_pd', "
+            "enforce_eager=True).create_engine_config()\n")
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "VLLM_PLUGINS": "none"})
+    assert run.returncode != 0
+    assert "ValidationError: 1 validation error for VllmConfig" in run.stderr, run.stderr[-3000:]
+    assert "not enough values to unpack (expected 2, got 1)" in run.stderr, run.stderr[-3000:]
+
+
 @pytest.fixture
 def vllm_config(tiny_model):
     from vllm.config import ModelConfig, VllmConfig

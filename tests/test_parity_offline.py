@@ -44,6 +44,7 @@ def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
         ours_out = run_waves(ours, WAVES, MAX_TOKENS)
         status = ours.worker_status()
     assert [(s["worker"], s["rank"], s["mode"]) for s in status] == [("AInferPDWorker", 0, "pd")]
+    assert status[0]["attention_backends"] == ["CPU_ATTN"]  # checked by the worker at start
     assert_lane_overlapped_d(status)
     # fine ordering, K=1, 4 decoder layers: each epoch is 5 segments (entry + embedding, then one
     # layer per D iteration).

@@ -39,6 +39,28 @@ def register() -> None:
     executor_class.install(BACKEND_NAME, _select_executor)
 
 
+def registration_problem() -> str | None:
+    """Why vLLM would not load this plugin in a process started like this one, or None.
+
+    vLLM finds general plugins through the `vllm.general_plugins` entry points of the installed
+    distributions (`VLLM_PLUGINS`, if set, must name `ainfer_pd`). Without the plugin, vLLM
+    resolves `ainfer_pd` as a class path, and building the engine config fails inside
+    `VllmConfig` with a pydantic `ValidationError: ... not enough values to unpack (expected 2,
+    got 1)` (`resolve_obj_by_qualname` splits the name at its last dot). That happens when the
+    package is importable but not installed (on `PYTHONPATH` only)."""
+    import os
+    from importlib.metadata import entry_points
+
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and BACKEND_NAME not in allowed.split(","):
+        return f"VLLM_PLUGINS={allowed!r} leaves out {BACKEND_NAME!r}"
+    points = [e for e in entry_points(group="vllm.general_plugins") if e.name == BACKEND_NAME]
+    if not points:
+        return (f"no vllm.general_plugins entry point named {BACKEND_NAME!r}: the package is "
+                f"importable but not installed (pip install -e . in the checkout)")
+    return None
+
+
 def _select_executor(vllm_config) -> type:
     """`ainfer_pd`'s executor class, once the config is validated and the P lane configured."""
     from vllm_ainfer_pd.executor import AInferPDExecutor, configure_p_lane

@@ -45,8 +45,9 @@ _PNormal: type | None = None
 
 def p_prepare_finalize_cls() -> type:
     """vLLM's normal-mode prepare/finalize, reaching its buffer through `PhaseBuffers.for_p()`
-    at every dispatch (the current normal-mode buffer, after a rebuild the new one; never D's)
-    and counting dispatches for the epoch's lifecycle."""
+    at every dispatch (the current normal-mode buffer, after a rebuild the new one; never D's),
+    passing P's own dispatch and combine configs (P's SM count; vLLM's would read DeepEP's
+    class-wide setting at each call), and counting dispatches for the epoch's lifecycle."""
     global _PNormal
     if _PNormal is None:
         from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ht import (
@@ -64,6 +65,12 @@ def p_prepare_finalize_cls() -> type:
                 self.buffer = self.buffers.for_p()
                 self.on_dispatch()
                 return super()._do_dispatch(*args, **kwargs)
+
+            def _get_dispatch_config(self) -> Any:
+                return self.buffers.dispatch_config
+
+            def _get_combine_config(self) -> Any:
+                return self.buffers.combine_config
 
             def _finalize(self, *args: Any, **kwargs: Any) -> Any:
                 # The combine runs on the buffer its dispatch used (its handle lives there).

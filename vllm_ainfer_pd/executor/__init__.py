@@ -10,6 +10,7 @@ from __future__ import annotations
 import vllm
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+from vllm_ainfer_pd import attention_backends
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
 from vllm_ainfer_pd.vllm_glue import check_vllm_shapes, check_vllm_version
 
@@ -72,6 +73,7 @@ class AInferPDExecutor(MultiprocExecutor):
                               "use mode='normal'")
         if config.p_lane_enabled:
             check_lane_parallelism(parallel)
+            attention_backends.check_config(vllm_config)
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls
         if scheduler_cls not in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
             raise ConfigError(

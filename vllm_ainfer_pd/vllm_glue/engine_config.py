@@ -13,7 +13,8 @@ from vllm_ainfer_pd.vllm_glue.shapes import Patch
 PATCHES = [
     Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; V2 runner and "
           "LoRA are refused", uses=("kv_transfer_config", "use_v2_model_runner", "lora_config",
-                                    "additional_config"), does="sets"),
+                                    "additional_config", "attention_config",
+                                    "speculative_config"), does="sets"),
     Patch("vllm.config:SchedulerConfig", "the planner's scheduler class; a connector without "
           "hybrid-KV support needs the hybrid KV cache manager off",
           uses=("scheduler_cls", "async_scheduling", "disable_hybrid_kv_cache_manager",
@@ -25,6 +26,11 @@ PATCHES = [
     Patch("vllm.config:ModelConfig", "routed-expert capture (refused beside the lane's KV "
           "connector by vLLM itself) is refused at validation",
           uses=("enable_return_routed_experts",)),
+    Patch("vllm.config:AttentionConfig", "an attention backend the user names is checked "
+          "against the ones the lane serves (`attention_backends.py`)",
+          uses=("backend", "backend_per_kind")),
+    Patch("vllm.config:SpeculativeConfig", "a speculative drafter's attention backend is "
+          "checked too", uses=("attention_backend",)),
     Patch("vllm.config:KVTransferConfig", "the lane's connector settings",
           uses=("kv_connector", "kv_role", "kv_load_failure_policy",
                 "kv_connector_extra_config"), does="builds"),

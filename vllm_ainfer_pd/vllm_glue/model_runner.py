@@ -20,8 +20,10 @@ PATCHES = [
     Patch("vllm.v1.worker.block_table:BlockTable", "P's block table rows and KV slots, in kernel "
           "blocks", uses=("block_size", "blocks_per_kv_block"), does="reads"),
     Patch("vllm.v1.worker.utils:AttentionGroup", "P builds one metadata builder per attention "
-          "group, of the class of D's", uses=("layer_names", "get_metadata_builder"),
-          does="reads"),
+          "group, of the class of D's; the group's backend is checked against the ones the lane "
+          "serves", uses=("layer_names", "get_metadata_builder", "backend"), does="reads"),
+    Patch("vllm.v1.attention.backend:AttentionBackend.get_name", "the attention backend vLLM "
+          "chose for a KV cache group, by name (`attention_backends.py`)", (), does="calls"),
     Patch("vllm.v1.attention.backend:AttentionMetadataBuilder.__init__", "P's builders are new "
           "instances (builders keep state, so D's are not shared)",
           ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"), does="calls"),

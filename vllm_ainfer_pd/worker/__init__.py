@@ -54,6 +54,7 @@ class AInferPDWorker(_platform_worker_cls()):
             "p_workspace_bytes": lane.workspace_bytes() if lane is not None else None,
             # GPU: CUDA priorities of D's (vLLM's compute) stream and P's; lower is higher.
             "stream_priorities": lane.stream_priorities() if lane is not None else None,
+            "attention_backends": lane.attention_backends() if lane is not None else None,
             "phase_ep": self.phase_ep.status() if self.phase_ep is not None else None,
         }
 

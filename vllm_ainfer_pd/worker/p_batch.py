@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from vllm_ainfer_pd import attention_backends
+
 if TYPE_CHECKING:
     from vllm_ainfer_pd.wire import PJob
 
@@ -35,6 +37,9 @@ class PBatchBuilder:
         self.runner = runner
         self.device = runner.device
         self.vllm_config = runner.vllm_config
+        # The backends vLLM chose for the KV cache groups, refused by name where the lane cannot
+        # run them (vllm_ainfer_pd.attention_backends).
+        self.attention_backends = attention_backends.check_runner(runner)
         self.groups: list[tuple[int, int, list[Any]]] = []  # (kernel bs, per kv block, builders)
         for gid, attn_groups in enumerate(runner.attn_groups):
             table = runner.input_batch.block_table[gid]

@@ -175,6 +175,10 @@ class PLane(LaneRound):
             return None
         return {"d": torch.cuda.current_stream().priority, "p": p_stream.priority}
 
+    def attention_backends(self) -> list[str]:
+        """The attention backends of the model's KV cache groups, by vLLM's names."""
+        return self.p_thread.builder.attention_backends
+
     def workspace_bytes(self) -> int | None:
         """Bytes held by P's own workspace manager (None without one, on CPU)."""
         if self.p_thread.p_workspace is None:
