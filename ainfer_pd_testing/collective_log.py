@@ -44,6 +44,8 @@ class CollectiveLog:
         def record(collective):
             @functools.wraps(collective)
             def wrapper(group, *args, **kwargs):
+                if group.world_size == 1:  # issues nothing (vLLM returns the input)
+                    return collective(group, *args, **kwargs)
                 entry = f"{collective.__name__} {group.unique_name} {_shape(args)}"
                 if not threading.current_thread().name.startswith(P_THREAD_PREFIX):
                     with lock:

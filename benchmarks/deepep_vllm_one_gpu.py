@@ -20,7 +20,8 @@
 6. vLLM's manager destroys its buffer; P's 1-rank normal-mode buffer is destroyed last (v1.2.1
    failed there at one rank).
 
-    python3 benchmarks/deepep_vllm_one_gpu.py --build-info ~/.cache/vllm-ainfer-pd/deepep-build/build_info.json \
+    python3 benchmarks/deepep_vllm_one_gpu.py \
+        --build-info ~/.cache/vllm-ainfer-pd/deepep-build/build_info.json \
         --out deepep_vllm_one_gpu.json
 """
 
@@ -81,7 +82,7 @@ def vllm_low_latency_buffer(max_tokens: int, hidden: int, experts: int,
     from vllm.distributed.device_communicators.all2all import DeepEPLLAll2AllManager
     from vllm.distributed.parallel_state import get_ep_group
 
-    from vllm_ainfer_pd.turnstile.launch import free_port
+    from ainfer_pd_testing.launch import free_port
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend=backend,

@@ -23,9 +23,10 @@ The DeepEP this code and vLLM 0.26 call: `check_api` compares the installed `dee
 with the parameters vLLM's managers and kernels and the lane pass, when the backend is selected.
 
 Within a host the two coexist: the normal-mode buffer uses CUDA IPC only, the low-latency one
-NVSHMEM. Across hosts they cannot in DeepEP's 1.x buffer (docs/deepep.md): a normal-mode internode buffer
-initialises NVSHMEM over the RDMA ranks, a low-latency one over all ranks, and a process has one
-NVSHMEM world; both would also take the same QPs per peer. `PhaseBuffers` refuses EP > 8.
+NVSHMEM. Across hosts they cannot in DeepEP's 1.x buffer (docs/deepep.md): a normal-mode
+internode buffer initialises NVSHMEM over the RDMA ranks, a low-latency one over all ranks, and a
+process has one NVSHMEM world; both would also take the same QPs per peer. `PhaseBuffers`
+refuses EP > 8.
 """
 
 from __future__ import annotations
