@@ -1,0 +1,165 @@
+"""Fetch vLLM's source distribution, take its `tests/`, and run chosen test modules in one mode.
+
+- `vllm_tests_dir()`: `pip download --no-deps --no-binary :all: vllm==0.26.0` into the cache
+  (`~/.cache/vllm-ainfer-pd/vllm-sdist/`). pip fetches the file and then fails to prepare its
+  metadata (the build needs CUDA's torch); the URL pip resolved is taken from pip's log and the
+  same file downloaded directly. Only `tests/` and `pyproject.toml` (pytest's markers) are
+  extracted, beside no `vllm/` package, so the tests import the installed vLLM.
+- `run_suite(...)`: one pytest process over those modules, in `stock` or `ours` mode, with the
+  overlay (`site/sitecustomize.py`, the hub mapping) and the CPU settings; returns the per-test
+  results the pytest plugin wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ainfer_pd_testing import ROOT
+from ainfer_pd_testing.vllm_suite import BREAK_ENV, LOG_ENV, MODE_ENV, SITE_DIR
+from ainfer_pd_testing.vllm_suite.hub import build_hub, hub_env
+
+VLLM_VERSION = "0.26.0"
+SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
+TOP = f"vllm-{VLLM_VERSION}"
+
+
+def cache_dir() -> Path:
+    from vllm_ainfer_pd.models.generate import cache_root
+
+    return cache_root() / "vllm-sdist"
+
+
+def fetch_sdist(folder: Path | None = None) -> Path:
+    """The sdist, downloaded once through pip (see the module docstring)."""
+    folder = Path(folder or cache_dir())
+    path = folder / SDIST
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        log = Path(tmp, "pip.log")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"vllm=={VLLM_VERSION}", "-d", tmp, "--log", str(log)],
+            capture_output=True, text=True)
+        fetched = Path(tmp, SDIST)
+        if not fetched.exists():
+            # pip found and downloaded the file, then failed in its metadata step.
+            text = log.read_text() if log.exists() else ""
+            urls = re.findall(r"(https://\S+/" + re.escape(SDIST) + r")", text)
+            if not urls:
+                raise RuntimeError(f"pip resolved no {SDIST}:\n{proc.stdout}\n{proc.stderr}")
+            _download(urls[-1], fetched)
+        _check_sdist(fetched)
+        fetched.rename(path)
+    return path
+
+
+def _download(url: str, dest: Path) -> None:
+    with urllib.request.urlopen(url, timeout=300) as response, open(dest, "wb") as f:
+        while chunk := response.read(1 << 20):
+            f.write(chunk)
+
+
+def _check_sdist(path: Path) -> None:
+    with tarfile.open(path) as tar:
+        names = set(tar.getnames())
+    if f"{TOP}/tests/conftest.py" not in names or f"{TOP}/PKG-INFO" not in names:
+        raise RuntimeError(f"{path} is not vLLM {VLLM_VERSION}'s source distribution")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def vllm_tests_dir() -> Path:
+    """A folder holding vLLM's `tests/` and `pyproject.toml` (extracted once)."""
+    sdist = fetch_sdist()
+    root = sdist.parent / f"{TOP}-tests"
+    if (root / ".complete").exists():
+        return root
+    with tempfile.TemporaryDirectory(dir=sdist.parent) as tmp, tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith(f"{TOP}/tests/") or m.name == f"{TOP}/pyproject.toml"]
+        tar.extractall(tmp, members=members, filter="data")
+        Path(tmp, TOP, ".complete").touch()
+        if root.exists():
+            import shutil
+
+            shutil.rmtree(root)
+        Path(tmp, TOP).rename(root)
+    return root
+
+
+@dataclass
+class SuiteRun:
+    mode: str
+    results: dict[str, dict]  # node id -> outcome, duration, message, lane_jobs
+    wall_s: float
+    returncode: int
+    log: Path
+    engines: list[str]  # one line per EngineArgs built: "<mode> backend=... model=..."
+
+
+def suite_env(mode: str, log_dir: Path, broken: str | None = None) -> dict[str, str]:
+    from vllm_ainfer_pd.models import ensure_model
+    from vllm_ainfer_pd.rollout.cpu_engine import cpu_env
+
+    hub = build_hub(cache_dir() / "hub", ensure_model("tiny", seed=0))
+    env = {k: v for k, v in os.environ.items() if k not in (BREAK_ENV,)}
+    pythonpath = [str(SITE_DIR), str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(":"))]
+    env.update(cpu_env(1))
+    env.update(hub_env(hub))
+    env.update({
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath)),
+        MODE_ENV: mode,
+        LOG_ENV: str(log_dir),
+        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    })
+    if broken:
+        env[BREAK_ENV] = broken
+    return env
+
+
+def run_suite(mode: str, tests: list[str], out_dir: Path, *, broken: str | None = None,
+              deselect: list[str] = (), timeout_s: int = 600, extra: list[str] = ()) -> SuiteRun:
+    """One pytest process over `tests` (paths or node ids relative to vLLM's checkout root) in
+    `mode`; its output goes to `out_dir/<mode>.log`."""
+    root = vllm_tests_dir()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = mode + (f"-broken-{broken}" if broken else "")
+    log_dir = out_dir / f"{name}-events"
+    log_dir.mkdir(exist_ok=True)
+    (log_dir / "events.log").write_text("")
+    report = out_dir / f"{name}.json"
+    report.unlink(missing_ok=True)
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", *tests,
+           "-p", "ainfer_pd_testing.vllm_suite.pytest_plugin", "--vllm-suite-report", str(report),
+           "-p", "no:cacheprovider", f"--timeout={timeout_s}", "-q", "-rfEs",
+           *[f"--deselect={d}" for d in deselect], *extra]
+    log = out_dir / f"{name}.log"
+    start = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=root, env=suite_env(mode, log_dir, broken),
+                              stdout=f, stderr=subprocess.STDOUT)
+    wall = time.time() - start
+    results = json.loads(report.read_text()) if report.exists() else {}
+    events = (log_dir / "events.log").read_text().splitlines()
+    engines = [e.split(" ", 2)[2] for e in events if e.startswith("engine ")]
+    return SuiteRun(mode, results, wall, proc.returncode, log, engines)
