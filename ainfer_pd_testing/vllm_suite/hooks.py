@@ -4,6 +4,8 @@ patch is imported (an import hook: nothing of vLLM is imported before the proces
 - `vllm.engine.arg_utils`: `EngineArgs.__post_init__` applies `engine_settings` before vLLM's
   own, so every engine a test builds (`VllmRunner`, `LLM(...)`, `AsyncEngineArgs`, `vllm serve`)
   gets them; the settings are logged, one line per engine-args object.
+- `vllm.v1.core.sched.scheduler`: each step that schedules tokens is logged, so the report
+  tells the tests that made an engine compute from those that pass without one.
 - `vllm_ainfer_pd.connector` (the `ours` run): each P-lane job is logged, so the report shows the
   lane took the tests' prompts; with `AINFER_PD_VLLM_SUITE_BREAK=drop-token` each job's prompt
   loses its first token (every token shifts one position left; the last is repeated), the
@@ -103,8 +105,24 @@ def _patch_connector(module: Any) -> None:
     module.PJob = counted_job
 
 
+def _patch_scheduler(module: Any) -> None:
+    """A `step` line per scheduled step with tokens: which tests made an engine compute (both
+    runs; `ainfer_pd`'s schedulers subclass this one and call it)."""
+    cls = module.Scheduler
+    original = cls.schedule
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            log("step", str(out.total_num_scheduled_tokens))
+        return out
+
+    cls.schedule = schedule
+
+
 PATCHES: dict[str, Callable[[Any], None]] = {
     "vllm.engine.arg_utils": _patch_engine_args,
+    "vllm.v1.core.sched.scheduler": _patch_scheduler,
     "vllm_ainfer_pd.connector": _patch_connector,
 }
 

@@ -22,6 +22,7 @@ MODELS = (
     "meta-llama/Llama-3.2-1B-Instruct",
     "Qwen/Qwen3-0.6B",
     "Qwen/Qwen2.5-1.5B-Instruct",
+    "Qwen/Qwen2-1.5B-Instruct",
     "openai-community/gpt2",
     "JackFram/llama-160m",
     "TinyLlama/TinyLlama-1.1B-Chat-v1.0",

@@ -1,5 +1,5 @@
 """pytest plugin of a vLLM suite run (`-p ainfer_pd_testing.vllm_suite.pytest_plugin`): writes
-each test's outcome, duration, first error line and the P-lane jobs it ran to
+each test's outcome, duration, first error line, the engine steps and the P-lane jobs it ran to
 `--vllm-suite-report` (JSON), read by `benchmarks/vllm_tests.py`."""
 
 from __future__ import annotations
@@ -15,29 +15,36 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--vllm-suite-report", default=None, help="JSON file of per-test results")
 
 
-def _events() -> list[str]:
+def _events_path() -> Path | None:
     folder = os.environ.get(LOG_ENV)
-    path = Path(folder, "events.log") if folder else None
-    if path is None or not path.exists():
-        return []
-    return path.read_text().splitlines()
+    return Path(folder, "events.log") if folder else None
 
 
 class Recorder:
     def __init__(self, path: str) -> None:
         self.path = path
         self.results: dict[str, dict] = {}
-        self._seen = 0
+        self._offset = 0  # bytes of the event log already counted
 
-    def _lane_jobs_since_last(self) -> int:
-        events = _events()
-        new, self._seen = events[self._seen:], len(events)
-        # Jobs run outside a test (a module fixture's engine warming up) go to the next test.
-        return sum(1 for e in new if e.startswith("pjob "))
+    def _counts_since_last(self) -> tuple[int, int]:
+        """(engine steps with tokens, P-lane jobs) logged since the last test ended; what ran
+        between tests (a module fixture's engine warming up) goes to the next test."""
+        path = _events_path()
+        if path is None or not path.exists():
+            return 0, 0
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is counted next time
+        self._offset += len(complete)
+        new = complete.decode().splitlines()
+        return (sum(1 for e in new if e.startswith("step ")),
+                sum(1 for e in new if e.startswith("pjob ")))
 
     def pytest_runtest_logreport(self, report) -> None:
         entry = self.results.setdefault(
-            report.nodeid, {"outcome": "passed", "duration": 0.0, "message": "", "lane_jobs": 0})
+            report.nodeid, {"outcome": "passed", "duration": 0.0, "message": "", "steps": 0,
+                           "lane_jobs": 0})
         entry["duration"] += report.duration
         if report.skipped and entry["outcome"] == "passed":
             entry["outcome"] = "skipped"
@@ -47,7 +54,9 @@ class Recorder:
             entry["outcome"] = "failed"
             entry["message"] = entry["message"] or f"{report.when}: {_first_line(report)}"
         if report.when == "teardown":
-            entry["lane_jobs"] += self._lane_jobs_since_last()
+            steps, jobs = self._counts_since_last()
+            entry["steps"] += steps
+            entry["lane_jobs"] += jobs
             self._write()
 
     def pytest_sessionfinish(self) -> None:

@@ -109,10 +109,9 @@ def vllm_tests_dir() -> Path:
 @dataclass
 class SuiteRun:
     mode: str
-    results: dict[str, dict]  # node id -> outcome, duration, message, lane_jobs
+    results: dict[str, dict]  # node id -> outcome, duration, message, steps, lane_jobs
     wall_s: float
-    returncode: int
-    log: Path
+    returncodes: dict[str, int]  # test path -> pytest's exit status
     engines: list[str]  # one line per EngineArgs built: "<mode> backend=... model=..."
 
 
@@ -137,29 +136,43 @@ def suite_env(mode: str, log_dir: Path, broken: str | None = None) -> dict[str, 
 
 
 def run_suite(mode: str, tests: list[str], out_dir: Path, *, broken: str | None = None,
-              deselect: list[str] = (), timeout_s: int = 600, extra: list[str] = ()) -> SuiteRun:
-    """One pytest process over `tests` (paths or node ids relative to vLLM's checkout root) in
-    `mode`; its output goes to `out_dir/<mode>.log`."""
+              deselect: list[str] = (), timeout_s: int = 600, resume: bool = False) -> SuiteRun:
+    """One pytest process per entry of `tests` (paths relative to vLLM's checkout root, or node
+    ids) in `mode`, one after another; each writes `out_dir/<run>/<entry>.json` and `.log`. With
+    `resume`, an entry whose results are complete from an earlier call is not run again."""
     root = vllm_tests_dir()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = mode + (f"-broken-{broken}" if broken else "")
-    log_dir = out_dir / f"{name}-events"
-    log_dir.mkdir(exist_ok=True)
-    (log_dir / "events.log").write_text("")
-    report = out_dir / f"{name}.json"
-    report.unlink(missing_ok=True)
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", *tests,
-           "-p", "ainfer_pd_testing.vllm_suite.pytest_plugin", "--vllm-suite-report", str(report),
-           "-p", "no:cacheprovider", f"--timeout={timeout_s}", "-q", "-rfEs",
-           *[f"--deselect={d}" for d in deselect], *extra]
-    log = out_dir / f"{name}.log"
-    start = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=root, env=suite_env(mode, log_dir, broken),
-                              stdout=f, stderr=subprocess.STDOUT)
-    wall = time.time() - start
-    results = json.loads(report.read_text()) if report.exists() else {}
-    events = (log_dir / "events.log").read_text().splitlines()
-    engines = [e.split(" ", 2)[2] for e in events if e.startswith("engine ")]
-    return SuiteRun(mode, results, wall, proc.returncode, log, engines)
+    run_dir = Path(out_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    codes: dict[str, int] = {}
+    engines: list[str] = []
+    wall = 0.0
+    for test in tests:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", test)
+        report, done = run_dir / f"{slug}.json", run_dir / f"{slug}.done"
+        events = run_dir / f"{slug}.events"
+        if not (resume and done.exists()):
+            done.unlink(missing_ok=True)
+            report.unlink(missing_ok=True)
+            events.mkdir(exist_ok=True)
+            (events / "events.log").write_text("")
+            mine = [d for d in deselect if d.startswith(test.split("::")[0])]
+            cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", test,
+                   "-p", "ainfer_pd_testing.vllm_suite.pytest_plugin",
+                   "--vllm-suite-report", str(report), "-p", "no:cacheprovider",
+                   f"--timeout={timeout_s}", "-q", "-rfEs",
+                   *[f"--deselect={d}" for d in mine]]
+            start = time.time()
+            with open(run_dir / f"{slug}.log", "w") as f:
+                proc = subprocess.run(cmd, cwd=root, env=suite_env(mode, events, broken),
+                                      stdout=f, stderr=subprocess.STDOUT)
+            done.write_text(json.dumps({"returncode": proc.returncode,
+                                        "wall_s": round(time.time() - start, 1)}))
+        status = json.loads(done.read_text())
+        codes[test] = status["returncode"]
+        wall += status["wall_s"]
+        results.update(json.loads(report.read_text()) if report.exists() else {})
+        lines = (events / "events.log").read_text().splitlines()
+        engines += [e.split(" ", 2)[2] for e in lines if e.startswith("engine ")]
+    return SuiteRun(mode, results, wall, codes, engines)
