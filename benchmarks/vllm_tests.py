@@ -60,6 +60,18 @@ MODULES = [
     "tests/v1/e2e/general/test_min_tokens.py",
     "tests/v1/e2e/general/test_async_scheduling.py",
     "tests/v1/e2e/general/test_context_length.py",
+    "tests/v1/engine/test_async_llm.py",
+    "tests/entrypoints/openai/completion/test_completion.py",
+    "tests/entrypoints/openai/completion/test_prompt_validation.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_completion.py",
+    "tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_echo.py",
+    "tests/entrypoints/openai/chat_completion/test_logprob_token_ids.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_logit_bias_validation.py",
+    "tests/entrypoints/openai/test_return_token_ids.py",
+    "tests/entrypoints/openai/completion/test_completion_with_prompt_embeds.py",
+    "tests/entrypoints/openai/chat_completion/test_enable_force_include_usage.py",
+    "tests/v1/e2e/general/test_streaming_input.py",
 ]
 
 # Tests of the chosen modules left out, with why (node ids or prefixes).
@@ -91,27 +103,29 @@ def cause_of(nodeid: str) -> str:
 
 
 def compare(stock: dict, ours: dict) -> dict:
-    """Per test both outcomes. Counted: stock passes and its engine computed during the test (a
-    test that passes without an engine step, e.g. one that skips itself in a subprocess, proves
-    nothing of the backend)."""
+    """Per test both outcomes. Counted: stock passes and an engine was built or computed during
+    the test (one that passes without, e.g. one that skips itself in a subprocess, proves nothing
+    of the backend)."""
     tests = sorted(set(stock) | set(ours))
-    absent = {"outcome": "absent", "message": "", "steps": 0, "lane_jobs": 0}
+    absent = {"outcome": "absent", "message": "", "engines": 0, "steps": 0, "lane_jobs": 0}
     rows = []
     for t in tests:
         s, o = stock.get(t, absent), ours.get(t, absent)
         rows.append({"test": t, "stock": s["outcome"], "ours": o["outcome"],
-                     "stock_steps": s.get("steps", 0), "ours_steps": o.get("steps", 0),
+                     # The same test code in both runs: either run's record shows it.
+                     "engine": sum(r.get(k, 0) for r in (s, o) for k in ("engines", "steps")) > 0,
+                     "ours_steps": o.get("steps", 0),
                      "lane_jobs": o.get("lane_jobs", 0), "stock_message": s["message"],
                      "ours_message": o["message"]})
     stock_passed = [r for r in rows if r["stock"] == "passed"]
-    counted = [r for r in stock_passed if r["stock_steps"] > 0]
+    counted = [r for r in stock_passed if r["engine"]]
     passed = [r for r in counted if r["ours"] == "passed"]
     return {
         "rows": rows,
         "tests": len(rows),
         "stock": dict(Counter(r["stock"] for r in rows)),
         "ours": dict(Counter(r["ours"] for r in rows)),
-        "stock_passed_without_engine": [r["test"] for r in stock_passed if not r["stock_steps"]],
+        "stock_passed_without_engine": [r["test"] for r in stock_passed if not r["engine"]],
         "counted": len(counted),
         "ours_passed": len(passed),
         "ours_passed_with_lane_jobs": sum(1 for r in passed if r["lane_jobs"] > 0),
@@ -134,9 +148,9 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
              "float32 or the test's dtype, `enforce_eager`, 1 GiB of KV cache on the CPU.", ""]
     lines += [f"- tests collected: {summary['tests']}; stock {summary['stock']}; "
               f"ours {summary['ours']}",
-              f"- stock passes without an engine step (not counted): "
+              f"- stock passes without building or stepping an engine (not counted): "
               f"{len(summary['stock_passed_without_engine'])}",
-              f"- **counted (stock passes, its engine computed): {summary['counted']}; ours "
+              f"- **counted (stock passes, with an engine): {summary['counted']}; ours "
               f"passes "
               f"{summary['ours_passed']} = {100 * (summary['pass_rate'] or 0):.1f}%**; "
               f"of these, {summary['ours_passed_with_lane_jobs']} ran P-lane jobs",
@@ -148,7 +162,7 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
     for r in summary["rows"]:
         by_module.setdefault(module_of(r["test"]), []).append(r)
     for mod, rows in sorted(by_module.items()):
-        sp = [r for r in rows if r["stock"] == "passed" and r["stock_steps"]]
+        sp = [r for r in rows if r["stock"] == "passed" and r["engine"]]
         op = [r for r in sp if r["ours"] == "passed"]
         lines.append(f"| `{mod}` | {len(rows)} | {len(sp)} | {len(op)} | "
                      f"{sum(r['lane_jobs'] for r in rows)} |")
@@ -186,7 +200,6 @@ def main() -> None:
     meta = {"vllm_version": VLLM_VERSION, "sdist_sha256": sha256(fetch_sdist()),
             "modules": tests, "deselected": DESELECT, "machine": f"{os.cpu_count()} CPU cores",
             "date": time.strftime("%Y-%m-%d"), "wall_s": {}, "engines": {}}
-    runs: dict[str, dict] = {}
     if args.broken:
         stock = json.loads((out / "results.json").read_text())["runs"]["stock"]
         run = run_suite("ours", tests, logs, broken=args.broken, deselect=list(DESELECT),
@@ -199,25 +212,36 @@ def main() -> None:
             summary, meta, f"Negative control: ours with `--break {args.broken}` against stock"))
         print(f"counted {summary['counted']}, ours passed {summary['ours_passed']}")
         return
-    for mode in args.runs.split(","):
-        run = run_suite(mode, tests, logs, deselect=list(DESELECT), timeout_s=args.timeout,
-                        resume=args.resume)
-        runs[mode] = run.results
-        meta["wall_s"][mode] = round(run.wall_s, 1)
-        meta["engines"][mode] = dict(Counter(e.split(" model=")[0] for e in run.engines))
-        print(f"{mode}: {len(run.results)} tests in {run.wall_s:.0f} s, "
-              f"{dict(Counter(v['outcome'] for v in run.results.values()))}", flush=True)
-    if set(runs) != {"stock", "ours"}:
-        (out / f"results_{'_'.join(runs)}.json").write_text(json.dumps(
+    modes = args.runs.split(",")
+    runs = {mode: {} for mode in modes}
+    engines: dict[str, Counter] = {mode: Counter() for mode in modes}
+    meta["wall_s"] = {mode: 0.0 for mode in modes}
+    # Module by module, each in both runs: an interrupted run leaves complete pairs (--resume).
+    for test in tests:
+        for mode in modes:
+            run = run_suite(mode, [test], logs, deselect=list(DESELECT), timeout_s=args.timeout,
+                            resume=args.resume)
+            runs[mode].update(run.results)
+            meta["wall_s"][mode] = round(meta["wall_s"][mode] + run.wall_s, 1)
+            engines[mode].update(e.split(" model=")[0] for e in run.engines)
+            print(f"{mode} {test}: {len(run.results)} tests in {run.wall_s:.0f} s, "
+                  f"{dict(Counter(v['outcome'] for v in run.results.values()))}", flush=True)
+        meta["engines"] = {mode: dict(c) for mode, c in engines.items()}
+        if set(modes) == {"stock", "ours"}:
+            write_results(out, meta, runs)
+    if set(modes) != {"stock", "ours"}:
+        (out / f"results_{'_'.join(modes)}.json").write_text(json.dumps(
             {"meta": meta, "runs": runs}, indent=1))
-        return
+
+
+def write_results(out: Path, meta: dict, runs: dict) -> None:
     summary = compare(runs["stock"], runs["ours"])
     (out / "results.json").write_text(json.dumps(
         {"meta": meta, "summary": {k: v for k, v in summary.items() if k != "rows"},
          "runs": runs}, indent=1))
     (out / "README.md").write_text(markdown(summary, meta, "vLLM's tests: stock vs ainfer_pd"))
     print(f"counted {summary['counted']}, ours passed {summary['ours_passed']} "
-          f"({100 * (summary['pass_rate'] or 0):.1f}%)")
+          f"({100 * (summary['pass_rate'] or 0):.1f}%)", flush=True)
 
 
 if __name__ == "__main__":

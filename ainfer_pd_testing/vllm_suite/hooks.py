@@ -15,6 +15,7 @@ patch is imported (an import hook: nothing of vLLM is imported before the proces
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.abc
 import json
 import os
@@ -82,6 +83,7 @@ def _patch_engine_args(module: Any) -> None:
     original = cls.__post_init__
     run = mode()
 
+    @functools.wraps(original)
     def __post_init__(self) -> None:
         engine_settings(self, run)
         log("engine", f"{run} backend={self.distributed_executor_backend} model={self.model}")
@@ -111,6 +113,8 @@ def _patch_scheduler(module: Any) -> None:
     cls = module.Scheduler
     original = cls.schedule
 
+    # `wraps`: the backend checks the signature of the vLLM methods it overrides.
+    @functools.wraps(original)
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if out.total_num_scheduled_tokens:

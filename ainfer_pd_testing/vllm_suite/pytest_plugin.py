@@ -1,5 +1,5 @@
 """pytest plugin of a vLLM suite run (`-p ainfer_pd_testing.vllm_suite.pytest_plugin`): writes
-each test's outcome, duration, first error line, the engine steps and the P-lane jobs it ran to
+each test's outcome, duration, first error line, the engines it built, their steps and the P-lane jobs it ran to
 `--vllm-suite-report` (JSON), read by `benchmarks/vllm_tests.py`."""
 
 from __future__ import annotations
@@ -26,25 +26,27 @@ class Recorder:
         self.results: dict[str, dict] = {}
         self._offset = 0  # bytes of the event log already counted
 
-    def _counts_since_last(self) -> tuple[int, int]:
-        """(engine steps with tokens, P-lane jobs) logged since the last test ended; what ran
+    def _counts_since_last(self) -> tuple[int, int, int]:
+        """(engine args built, engine steps with tokens, P-lane jobs) logged since the last test
+        ended; what ran
         between tests (a module fixture's engine warming up) goes to the next test."""
         path = _events_path()
         if path is None or not path.exists():
-            return 0, 0
+            return 0, 0, 0
         with open(path, "rb") as f:
             f.seek(self._offset)
             chunk = f.read()
         complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is counted next time
         self._offset += len(complete)
         new = complete.decode().splitlines()
-        return (sum(1 for e in new if e.startswith("step ")),
+        return (sum(1 for e in new if e.startswith("engine ")),
+                sum(1 for e in new if e.startswith("step ")),
                 sum(1 for e in new if e.startswith("pjob ")))
 
     def pytest_runtest_logreport(self, report) -> None:
         entry = self.results.setdefault(
-            report.nodeid, {"outcome": "passed", "duration": 0.0, "message": "", "steps": 0,
-                           "lane_jobs": 0})
+            report.nodeid, {"outcome": "passed", "duration": 0.0, "message": "", "engines": 0,
+                           "steps": 0, "lane_jobs": 0})
         entry["duration"] += report.duration
         if report.skipped and entry["outcome"] == "passed":
             entry["outcome"] = "skipped"
@@ -54,7 +56,8 @@ class Recorder:
             entry["outcome"] = "failed"
             entry["message"] = entry["message"] or f"{report.when}: {_first_line(report)}"
         if report.when == "teardown":
-            steps, jobs = self._counts_since_last()
+            engines, steps, jobs = self._counts_since_last()
+            entry["engines"] += engines
             entry["steps"] += steps
             entry["lane_jobs"] += jobs
             self._write()
