@@ -2,7 +2,7 @@
 # environment first; `make env` does only that and prints the path of its python as its last line.
 SHELL := /bin/bash
 
-.PHONY: env test test-fast rollout model
+.PHONY: env test test-fast rollout model vllm-tests
 
 env:
 	@bash scripts/setup_env.sh
@@ -26,3 +26,9 @@ rollout:
 
 model:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && $$py -m vllm_ainfer_pd.models --preset tiny
+
+# vLLM 0.26.0's own tests, stock vs ainfer_pd (benchmarks/vllm_tests.py; about an hour on 2 cores):
+# writes benchmarks/results/vllm_tests/. VLLM_TESTS_ARGS='--resume' continues an interrupted run.
+vllm-tests:
+	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \
+	  $$py benchmarks/vllm_tests.py $(VLLM_TESTS_ARGS)

@@ -1,0 +1,248 @@
+"""vLLM's own tests, stock against `ainfer_pd`: a differential run of vLLM 0.26.0's test suite.
+
+    python benchmarks/vllm_tests.py                      # both runs, table into the results
+    python benchmarks/vllm_tests.py --break drop-token   # the negative control (see below)
+    make vllm-tests
+
+Fetches vLLM's source distribution through pip (cached, `ainfer_pd_testing/vllm_suite/run.py`),
+takes its `tests/` (nothing of it is copied into this repository) and runs `MODULES` twice, one
+pytest process each: stock vLLM, then `ainfer_pd` injected as executor backend into every engine
+the tests build, with the P lane taking every prompt of >= 4 uncached tokens
+(`ainfer_pd_testing/vllm_suite/`). The hub model names the tests load are the embedded tiny model
+in both runs. A test counts only where stock passes. Writes `results.json` and `README.md` (the
+table, every difference with its cause) into `--out`.
+
+`--break drop-token` runs only `ours`, with a lane that prefills every prompt with its first token
+dropped (a harness patch, not the product), and compares it with the stored stock results: vLLM's
+tests must catch it. Written to `negative_control.json` / `.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+# The test harness (ainfer_pd_testing) is not installed with the package: import it from this
+# checkout, with or without the package installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ainfer_pd_testing.vllm_suite import hooks  # noqa: E402
+from ainfer_pd_testing.vllm_suite.run import (  # noqa: E402
+    VLLM_VERSION,
+    cache_dir,
+    fetch_sdist,
+    run_suite,
+    sha256,
+)
+
+OUT = Path(__file__).resolve().parent / "results" / "vllm_tests"
+
+# Modules whose tests build engines (most share one per module): generation and sampling
+# parameters, logprobs, stop strings, min/max tokens, n > 1, beam search, prompt validation, the
+# offline `LLM` API, `collective_rpc`, async scheduling, the OpenAI server.
+MODULES = [
+    "tests/entrypoints/llm/test_generate.py",
+    "tests/entrypoints/llm/test_chat.py",
+    "tests/entrypoints/llm/test_collective_rpc.py",
+    "tests/entrypoints/llm/test_prompt_validation.py",
+    "tests/entrypoints/llm/test_gpu_utilization.py",
+    "tests/samplers",
+    "tests/v1/sample/test_sampling_params_e2e.py",
+    "tests/v1/sample/test_logprobs.py",
+    "tests/detokenizer",
+    "tests/v1/engine/test_llm_engine.py",
+    "tests/v1/engine/test_parallel_sampling.py",
+    "tests/v1/e2e/general/test_min_tokens.py",
+    "tests/v1/e2e/general/test_async_scheduling.py",
+    "tests/v1/e2e/general/test_context_length.py",
+    "tests/v1/engine/test_async_llm.py",
+    "tests/entrypoints/openai/completion/test_completion.py",
+    "tests/entrypoints/openai/completion/test_prompt_validation.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_completion.py",
+    "tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_echo.py",
+    "tests/entrypoints/openai/chat_completion/test_logprob_token_ids.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_logit_bias_validation.py",
+    "tests/entrypoints/openai/test_return_token_ids.py",
+    "tests/entrypoints/openai/completion/test_completion_with_prompt_embeds.py",
+    "tests/entrypoints/openai/chat_completion/test_enable_force_include_usage.py",
+    "tests/v1/e2e/general/test_streaming_input.py",
+]
+
+# Tests of the chosen modules left out, with why (node ids or prefixes).
+DESELECT: dict[str, str] = {}
+
+# Left out whole, with why (written into the results).
+LEFT_OUT = {
+    "tests/v1/sample/test_logprobs_e2e.py": "GSM8K accuracy through lm_eval (a data set download)",
+    "tests/v1/sample/test_sampler.py, test_topk_topp_sampler.py, test_rejection_sampler.py, "
+    "test_batched_count_greater_than.py": "unit tests of sampler kernels: no engine is built, so "
+    "the backend is not involved",
+}
+
+# Why a test that passes on stock does not pass on ours (filled in from the runs' diagnoses).
+CAUSES: dict[str, str] = {}
+
+# The slice `make test` runs (tests/test_vllm_suite.py): one shared engine per module, a few
+# minutes on 2 cores.
+SLICE = [
+    "tests/v1/sample/test_sampling_params_e2e.py",
+]
+
+
+def cause_of(nodeid: str) -> str:
+    for key, cause in CAUSES.items():
+        if nodeid.startswith(key):
+            return cause
+    return "not diagnosed"
+
+
+def compare(stock: dict, ours: dict) -> dict:
+    """Per test both outcomes. Counted: stock passes and an engine was built or computed during
+    the test (one that passes without, e.g. one that skips itself in a subprocess, proves nothing
+    of the backend)."""
+    tests = sorted(set(stock) | set(ours))
+    absent = {"outcome": "absent", "message": "", "engines": 0, "steps": 0, "lane_jobs": 0}
+    rows = []
+    for t in tests:
+        s, o = stock.get(t, absent), ours.get(t, absent)
+        rows.append({"test": t, "stock": s["outcome"], "ours": o["outcome"],
+                     # The same test code in both runs: either run's record shows it.
+                     "engine": sum(r.get(k, 0) for r in (s, o) for k in ("engines", "steps")) > 0,
+                     "ours_steps": o.get("steps", 0),
+                     "lane_jobs": o.get("lane_jobs", 0), "stock_message": s["message"],
+                     "ours_message": o["message"]})
+    stock_passed = [r for r in rows if r["stock"] == "passed"]
+    counted = [r for r in stock_passed if r["engine"]]
+    passed = [r for r in counted if r["ours"] == "passed"]
+    return {
+        "rows": rows,
+        "tests": len(rows),
+        "stock": dict(Counter(r["stock"] for r in rows)),
+        "ours": dict(Counter(r["ours"] for r in rows)),
+        "stock_passed_without_engine": [r["test"] for r in stock_passed if not r["engine"]],
+        "counted": len(counted),
+        "ours_passed": len(passed),
+        "ours_passed_with_lane_jobs": sum(1 for r in passed if r["lane_jobs"] > 0),
+        "pass_rate": round(len(passed) / len(counted), 4) if counted else None,
+        "differences": [r for r in rows if r["stock"] != r["ours"]],
+    }
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def markdown(summary: dict, meta: dict, title: str) -> str:
+    lines = [f"# {title}", "",
+             f"vLLM {meta['vllm_version']} (sdist sha256 `{meta['sdist_sha256'][:16]}...`), "
+             f"`python benchmarks/vllm_tests.py` on {meta['machine']}, {meta['date']}.", "",
+             "ours: `ainfer_pd` as executor backend of every engine, "
+             f"`additional_config={{\"ainfer_pd\": {{\"p_lane_min_tokens\": "
+             f"{hooks.P_LANE_MIN_TOKENS}}}}}`; both runs: the tiny model for every hub name, "
+             "float32 or the test's dtype, `enforce_eager`, 1 GiB of KV cache on the CPU.", ""]
+    lines += [f"- tests collected: {summary['tests']}; stock {summary['stock']}; "
+              f"ours {summary['ours']}",
+              f"- stock passes without building or stepping an engine (not counted): "
+              f"{len(summary['stock_passed_without_engine'])}",
+              f"- **counted (stock passes, with an engine): {summary['counted']}; ours "
+              f"passes "
+              f"{summary['ours_passed']} = {100 * (summary['pass_rate'] or 0):.1f}%**; "
+              f"of these, {summary['ours_passed_with_lane_jobs']} ran P-lane jobs",
+              f"- wall time: stock {meta['wall_s'].get('stock', 0):.0f} s, ours "
+              f"{meta['wall_s'].get('ours', 0):.0f} s", ""]
+    lines += ["| module | tests | counted | ours pass (of counted) | lane jobs |",
+              "|---|---|---|---|---|"]
+    by_module: dict[str, list] = {}
+    for r in summary["rows"]:
+        by_module.setdefault(module_of(r["test"]), []).append(r)
+    for mod, rows in sorted(by_module.items()):
+        sp = [r for r in rows if r["stock"] == "passed" and r["engine"]]
+        op = [r for r in sp if r["ours"] == "passed"]
+        lines.append(f"| `{mod}` | {len(rows)} | {len(sp)} | {len(op)} | "
+                     f"{sum(r['lane_jobs'] for r in rows)} |")
+    lines += ["", "## Differences", ""]
+    if not summary["differences"]:
+        lines.append("None.")
+    else:
+        lines += ["| test | stock | ours | cause | ours' error |", "|---|---|---|---|---|"]
+        for r in summary["differences"]:
+            msg = (r["ours_message"] or r["stock_message"]).replace("|", "\\|")[:200]
+            lines.append(f"| `{r['test']}` | {r['stock']} | {r['ours']} | "
+                         f"{cause_of(r['test'])} | {msg} |")
+    lines += ["", "## Left out", ""]
+    lines += [f"- `{k}`: {v}" for k, v in LEFT_OUT.items()]
+    lines += [f"- `{k}`: {v}" for k, v in DESELECT.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", nargs="*", default=None, help="test paths (default MODULES)")
+    parser.add_argument("--runs", default="stock,ours", help="stock,ours (default) or one")
+    parser.add_argument("--break", dest="broken", default=None, choices=["drop-token"])
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--logs", type=Path, default=cache_dir() / "runs",
+                        help="pytest's output and per-module results (outside the checkout)")
+    parser.add_argument("--timeout", type=int, default=600, help="per test, seconds")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the modules an interrupted run finished (<logs>/<run>/*.done)")
+    args = parser.parse_args()
+    tests = args.modules or MODULES
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    logs = args.logs
+    meta = {"vllm_version": VLLM_VERSION, "sdist_sha256": sha256(fetch_sdist()),
+            "modules": tests, "deselected": DESELECT, "machine": f"{os.cpu_count()} CPU cores",
+            "date": time.strftime("%Y-%m-%d"), "wall_s": {}, "engines": {}}
+    if args.broken:
+        stock = json.loads((out / "results.json").read_text())["runs"]["stock"]
+        run = run_suite("ours", tests, logs, broken=args.broken, deselect=list(DESELECT),
+                        timeout_s=args.timeout, resume=args.resume)
+        summary = compare({k: v for k, v in stock.items() if k in run.results}, run.results)
+        meta["wall_s"]["ours"] = run.wall_s
+        (out / "negative_control.json").write_text(json.dumps(
+            {"meta": meta, "break": args.broken, "summary": summary}, indent=1))
+        (out / "negative_control.md").write_text(markdown(
+            summary, meta, f"Negative control: ours with `--break {args.broken}` against stock"))
+        print(f"counted {summary['counted']}, ours passed {summary['ours_passed']}")
+        return
+    modes = args.runs.split(",")
+    runs = {mode: {} for mode in modes}
+    engines: dict[str, Counter] = {mode: Counter() for mode in modes}
+    meta["wall_s"] = {mode: 0.0 for mode in modes}
+    # Module by module, each in both runs: an interrupted run leaves complete pairs (--resume).
+    for test in tests:
+        for mode in modes:
+            run = run_suite(mode, [test], logs, deselect=list(DESELECT), timeout_s=args.timeout,
+                            resume=args.resume)
+            runs[mode].update(run.results)
+            meta["wall_s"][mode] = round(meta["wall_s"][mode] + run.wall_s, 1)
+            engines[mode].update(e.split(" model=")[0] for e in run.engines)
+            print(f"{mode} {test}: {len(run.results)} tests in {run.wall_s:.0f} s, "
+                  f"{dict(Counter(v['outcome'] for v in run.results.values()))}", flush=True)
+        meta["engines"] = {mode: dict(c) for mode, c in engines.items()}
+        if set(modes) == {"stock", "ours"}:
+            write_results(out, meta, runs)
+    if set(modes) != {"stock", "ours"}:
+        (out / f"results_{'_'.join(modes)}.json").write_text(json.dumps(
+            {"meta": meta, "runs": runs}, indent=1))
+
+
+def write_results(out: Path, meta: dict, runs: dict) -> None:
+    summary = compare(runs["stock"], runs["ours"])
+    (out / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": {k: v for k, v in summary.items() if k != "rows"},
+         "runs": runs}, indent=1))
+    (out / "README.md").write_text(markdown(summary, meta, "vLLM's tests: stock vs ainfer_pd"))
+    print(f"counted {summary['counted']}, ours passed {summary['ours_passed']} "
+          f"({100 * (summary['pass_rate'] or 0):.1f}%)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
