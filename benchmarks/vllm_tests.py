@@ -60,7 +60,6 @@ MODULES = [
     "tests/v1/e2e/general/test_min_tokens.py",
     "tests/v1/e2e/general/test_async_scheduling.py",
     "tests/v1/e2e/general/test_context_length.py",
-    "tests/v1/engine/test_async_llm.py",
     "tests/entrypoints/openai/completion/test_completion.py",
     "tests/entrypoints/openai/completion/test_prompt_validation.py",
     "tests/entrypoints/openai/chat_completion/test_chat_completion.py",
@@ -71,7 +70,15 @@ MODULES = [
     "tests/entrypoints/openai/test_return_token_ids.py",
     "tests/entrypoints/openai/completion/test_completion_with_prompt_embeds.py",
     "tests/entrypoints/openai/chat_completion/test_enable_force_include_usage.py",
-    "tests/v1/e2e/general/test_streaming_input.py",
+    "tests/v1/engine/test_abort_final_step.py",
+    "tests/v1/engine/test_preprocess_error_handling.py",
+    "tests/v1/logits_processors/test_custom_offline.py",
+    "tests/v1/metrics/test_engine_logger_apis.py",
+    "tests/entrypoints/openai/completion/test_shutdown.py",
+    "tests/entrypoints/anthropic/test_messages.py",
+    "tests/entrypoints/generate/generative_scoring/test_generative_scoring_e2e.py",
+    "tests/v1/logits_processors/test_custom_online.py",
+    "tests/entrypoints/serve/instrumentator/test_metrics.py",
 ]
 
 # Tests of the chosen modules left out, with why (node ids or prefixes).
@@ -80,13 +87,59 @@ DESELECT: dict[str, str] = {}
 # Left out whole, with why (written into the results).
 LEFT_OUT = {
     "tests/v1/sample/test_logprobs_e2e.py": "GSM8K accuracy through lm_eval (a data set download)",
+    "tests/v1/engine/test_async_llm.py, test_engine_core.py, test_engine_core_client.py, "
+    "tests/v1/e2e/general/test_streaming_input.py":
+        "skip themselves off CUDA at import ('V1 currently only supported on CUDA')",
+    "tests/entrypoints/openai/responses/": "a 18,192-token context (the tiny model has 4,096)",
+    "tests/entrypoints/openai/chat_completion/test_chat.py, test_return_tokens_as_ids.py":
+        "serve LoRA adapters from the hub (LoRA is refused with the lane)",
+    "tests/entrypoints/openai/completion/test_completion_error.py, chat_completion/"
+    "test_chat_error.py, test_serving_chat.py, test_stop_token_ids.py":
+        "a mocked engine or no engine: the backend is not involved",
     "tests/v1/sample/test_sampler.py, test_topk_topp_sampler.py, test_rejection_sampler.py, "
     "test_batched_count_greater_than.py": "unit tests of sampler kernels: no engine is built, so "
     "the backend is not involved",
 }
 
 # Why a test that passes on stock does not pass on ours (filled in from the runs' diagnoses).
-CAUSES: dict[str, str] = {}
+CAUSES: dict[str, str] = {
+    # Limitations of the backend (stock passes, ours fails).
+    "tests/v1/logits_processors/test_custom_offline.py::test_rejects_custom_logitsprocs["
+    "CustomLogitprocSource.LOGITPROC_SOURCE_ENTRYPOINT-spec_dec]":
+        "limitation: the test replaces importlib.metadata.entry_points in its process with a "
+        "fake serving only its logits-processor group, so vLLM's general plugins, and with them "
+        "the registration of the name `ainfer_pd`, never load there; vLLM then resolves "
+        "'ainfer_pd' as a class path and fails (the class path "
+        "vllm_ainfer_pd.executor.AInferPDExecutor resolves in the same process)",
+    "tests/v1/logits_processors/test_custom_offline.py::test_rejects_custom_logitsprocs[":
+        "limitation: ainfer_pd's workers always run in processes of their own (it is vLLM's "
+        "MultiprocExecutor underneath), also where the test asks for the in-process executor "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, no backend); the ValueError vLLM raises while the "
+        "worker starts (custom logits processors with speculative decoding) then reaches the "
+        "caller as vLLM's generic 'WorkerProc initialization failed' Exception, as it does "
+        "with stock's `mp` backend, and pytest.raises(ValueError) does not match",
+    "tests/v1/logits_processors/test_custom_online.py::":
+        "limitation, the same as test_rejects_custom_logitsprocs[...ENTRYPOINT...]: the server "
+        "is started by the test's own child process, which replaces "
+        "importlib.metadata.entry_points with a fake for its logits processor, so the plugin "
+        "that registers the name `ainfer_pd` never loads and `vllm serve` exits at its config "
+        "('not enough values to unpack': vLLM resolving 'ainfer_pd' as a class path)",
+    "tests/entrypoints/serve/instrumentator/test_metrics.py::test_metrics_counts[":
+        "limitation (documented in docs/rollout.md, Metrics): vllm:iteration_tokens_total counts "
+        "the tokens of D's steps; the prompt tokens the P lane computes in the background are "
+        "KV-connector tokens to vLLM and are not in any step (expected 360, found 110: the "
+        "prompts' tokens are missing)",
+    # Stock fails, ours passes.
+    "tests/entrypoints/serve/instrumentator/test_metrics.py::test_abort_metrics_reset[":
+        "stock: timing; the test waits at most 10 s for running_requests > 0 while its "
+        "requests ran (its other parametrizations pass on stock); not a backend difference",
+    "tests/v1/sample/test_logprobs.py::test_get_logprobs_and_prompt_logprobs[False-2.0-":
+        "stock: a vLLM bug on the CPU: a seeded request whose prompt is prefilled in chunks "
+        "(the test's max_num_batched_tokens=16) rewinds its torch.Generator with get_offset() "
+        "(gpu_model_runner._bookkeeping_sync), which CPU generators lack ('CPU Generator does "
+        "not use offset'), and the engine dies; ours: the P lane prefills the prompt outside "
+        "D's steps, so no partial prefill reaches that rewind",
+}
 
 # The slice `make test` runs (tests/test_vllm_suite.py): one shared engine per module, a few
 # minutes on 2 cores.
@@ -211,6 +264,8 @@ def main() -> None:
         (out / "negative_control.md").write_text(markdown(
             summary, meta, f"Negative control: ours with `--break {args.broken}` against stock"))
         print(f"counted {summary['counted']}, ours passed {summary['ours_passed']}")
+        full = json.loads((out / "results.json").read_text())
+        write_results(out, full["meta"], full["runs"])  # the README gains the control's notes
         return
     modes = args.runs.split(",")
     runs = {mode: {} for mode in modes}
@@ -239,9 +294,30 @@ def write_results(out: Path, meta: dict, runs: dict) -> None:
     (out / "results.json").write_text(json.dumps(
         {"meta": meta, "summary": {k: v for k, v in summary.items() if k != "rows"},
          "runs": runs}, indent=1))
-    (out / "README.md").write_text(markdown(summary, meta, "vLLM's tests: stock vs ainfer_pd"))
+    text = markdown(summary, meta, "vLLM's tests: stock vs ainfer_pd")
+    (out / "README.md").write_text(text + negative_control_notes(out))
     print(f"counted {summary['counted']}, ours passed {summary['ours_passed']} "
           f"({100 * (summary['pass_rate'] or 0):.1f}%)", flush=True)
+
+
+def negative_control_notes(out: Path) -> str:
+    """The negative control's outcome, from `negative_control.json` when it has been run."""
+    path = out / "negative_control.json"
+    if not path.exists():
+        return ""
+    nc = json.loads(path.read_text())
+    summary = nc["summary"]
+    caught = [r for r in summary["differences"] if r["stock"] == "passed"]
+    lines = ["", "## Negative control", "",
+             f"`python benchmarks/vllm_tests.py --break {nc['break']} --modules "
+             f"{' '.join(nc['meta']['modules'])}`: the P lane prefills every prompt with its "
+             "first token dropped (a harness patch, `ainfer_pd_testing/vllm_suite/hooks.py`). "
+             f"Of {summary['counted']} counted tests, {summary['ours_passed']} pass and "
+             f"{len(caught)} fail: vLLM's tests catch it (`negative_control.md`).", ""]
+    lines += [f"- `{r['test']}`: {r['ours_message'][:160]}" for r in caught[:12]]
+    if len(caught) > 12:
+        lines.append(f"- ... and {len(caught) - 12} more")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ MODELS = (
     "HuggingFaceTB/SmolLM2-135M-Instruct",
     "HuggingFaceH4/zephyr-7b-beta",
     "meta-llama/llama-2-7b-hf",
+    "google/gemma-3-1b-it",
 )
 
 

@@ -1,6 +1,6 @@
 """pytest plugin of a vLLM suite run (`-p ainfer_pd_testing.vllm_suite.pytest_plugin`): writes
-each test's outcome, duration, first error line, the engines it built, their steps and the
-P-lane jobs it ran to `--vllm-suite-report` (JSON), read by `benchmarks/vllm_tests.py`."""
+each test's outcome, duration, first error line, the engine args it built, the engine steps and
+the P-lane jobs it ran to `--vllm-suite-report` (JSON), read by `benchmarks/vllm_tests.py`."""
 
 from __future__ import annotations
 

@@ -124,7 +124,10 @@ def suite_env(mode: str, log_dir: Path, broken: str | None = None) -> dict[str, 
     pythonpath = [str(SITE_DIR), str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(":"))]
     env.update(cpu_env(1))
     env.update(hub_env(hub))
+    # The tests start `vllm serve` by name: this interpreter's scripts first on PATH.
+    path = [str(Path(sys.executable).parent), *env.get("PATH", "").split(os.pathsep)]
     env.update({
+        "PATH": os.pathsep.join(dict.fromkeys(path)),
         "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath)),
         MODE_ENV: mode,
         LOG_ENV: str(log_dir),
