@@ -113,16 +113,26 @@ def low_latency_step(buffer, experts: int, top_k: int, max_tokens: int, hidden: 
                                                             use_fp8=False)
     combined, _, _ = buffer.low_latency_combine(recv, topk, weights, handle)
     torch.cuda.synchronize()
+    return checked_low_latency(x, topk, weights, recv, count, combined)
+
+
+def checked_low_latency(x, topk, weights, recv, count, combined) -> dict:
+    """Low-latency dispatch and combine against the torch reference: per local expert, the
+    tokens routed to it (in any order); combined, each token times its top-k weights' sum."""
+    import torch
+
     def ordered(rows):  # by the token index in columns 0, 1
         return rows[(rows[:, 0].float() * 64 + rows[:, 1].float()).argsort()]
 
-    for e in range(experts):  # the tokens routed to expert e, in any order
+    experts = recv.shape[0]
+    for e in range(experts):
         want = x[(topk == e).any(dim=1)]
         got = recv[e, : int(count[e])]
         assert torch.equal(ordered(got), ordered(want)), f"expert {e}"
     reference = (x.float() * weights.sum(dim=1, keepdim=True)).to(torch.bfloat16)
     assert torch.equal(combined, reference), (combined - reference).abs().max()
-    return {"tokens": max_tokens, "experts": experts, "dispatch_and_combine_equal_reference": True}
+    return {"tokens": int(x.shape[0]), "experts": experts,
+            "dispatch_and_combine_equal_reference": True}
 
 
 def main() -> int:

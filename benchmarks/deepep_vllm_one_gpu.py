@@ -36,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepep_one_gpu import routing, step  # the one-GPU script's steps and inputs
+from deepep_one_gpu import checked_low_latency, routing, step  # the one-GPU script's
 
 
 def versions(build_info: str | None) -> dict:
@@ -100,8 +100,8 @@ def vllm_low_latency_buffer(max_tokens: int, hidden: int, experts: int,
 
 def vllm_style_low_latency_step(buffer, experts: int, top_k: int, max_tokens: int, hidden: int):
     """Low-latency dispatch and combine with the keywords vLLM's low-latency prepare/finalize
-    passes (bf16, receive hooks, the combine into `out`), against the torch reference: per
-    local expert, the tokens routed to it; combined, each token times its top-k weights' sum."""
+    passes (bf16, receive hooks, the combine into `out`), checked as the one-GPU script checks
+    its own (`checked_low_latency`)."""
     import torch
 
     x, topk, weights = routing(max_tokens, experts, top_k, hidden, seed=4)
@@ -115,16 +115,7 @@ def vllm_style_low_latency_step(buffer, experts: int, top_k: int, max_tokens: in
     hook()
     torch.cuda.synchronize()
 
-    def ordered(rows):  # by the token index in columns 0, 1
-        return rows[(rows[:, 0].float() * 64 + rows[:, 1].float()).argsort()]
-
-    for e in range(experts):
-        want = x[(topk == e).any(dim=1)]
-        got = recv[e, : int(count[e])]
-        assert torch.equal(ordered(got), ordered(want)), f"expert {e}"
-    reference = (x.float() * weights.sum(dim=1, keepdim=True)).to(torch.bfloat16)
-    assert torch.equal(combined, reference), (combined - reference).abs().max()
-    return {"tokens": max_tokens, "experts": experts, "dispatch_and_combine_equal_reference": True}
+    return checked_low_latency(x, topk, weights, recv, count, combined)
 
 
 def main() -> int:
