@@ -244,7 +244,9 @@ class PLane(LaneRound):
             self._rebuild_phase_ep()  # on every rank, at this same point
         if plan.release:
             self.turnstile.release(plan.load)
-        elif plan.open is not None:
+        elif plan.open is not None and (not (epoch_open and self.synced) or self._gate_opens()):
+            # (An epoch that just ended opens the next only where the gate would: the same rule,
+            # from the same rows, on every rank.)
             self.waited_rounds = 0
             self._open_epoch(plan.load, list(plan.open) if self.synced else None)
         else:
