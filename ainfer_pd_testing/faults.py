@@ -7,8 +7,9 @@ engine is up and before the first P epoch, on every rank:
 `{"method": "inject_p_faults", "kwargs": {"fail_epoch": "0@1"}}` (vLLM serves that endpoint with
 `dev_server.SERVER_ENV`; with DP it reaches every engine). Faults (world ranks, epochs and
 rendezvous rounds counted from the lane's start):
-- `stall="<rank>:<round>"`: that rank sleeps for 4 x `timeout_s` (long enough for its peers to
-  give up) just before its pre-D rendezvous of that round, as a hung rank would;
+- `stall="<rank>:<round>"`: that rank sleeps for 1.25 x `timeout_s` just before its pre-D
+  rendezvous of that round, as a rank that hangs a while would: its peers give up, and it comes
+  back (before the engine's teardown kills it) to a rendezvous they left;
 - `fail_epoch="<epoch>"`: P raises at boundary 1 of that epoch on every rank (a deterministic P
   failure, like an out-of-memory at one batch shape: before layer 0's attention, so no rank has
   begun a collective its peers would wait in);
@@ -55,7 +56,7 @@ class ScriptedFaults(FaultHooks):
     def before_pre_d(self, rank: int, round: int, timeout_s: float) -> None:
         if self.stall == (rank, round):
             logger.warning("injected stall: rank %d stalls before round %d", rank, round)
-            time.sleep(4 * timeout_s)
+            time.sleep(1.25 * timeout_s)
 
     def at_boundary(self, rank: int, epoch: int, boundary: int) -> None:
         time.sleep(self.slow_boundary_s)

@@ -8,6 +8,8 @@ before its pre-D rendezvous of round 3 (inside a P epoch).
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -52,10 +54,19 @@ def test_a_stalled_rank_fails_its_peer_with_an_error_naming_it(tiny_model, tmp_p
     script = tmp_path / "stall.py"
     script.write_text(SCENARIO)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), tiny_model], text=True, check=False,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=480)
+    # Its own session, so that a worker left behind (one that went on into a collective its
+    # peer never joins) is killed with the group rather than holding the pipe open.
+    proc = subprocess.Popen([sys.executable, str(script), tiny_model], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("the scenario did not end within 300 s (a rank left behind?):\n"
+                    + "\n".join(out.splitlines()[-60:]))
     elapsed = time.monotonic() - start
-    out = proc.stdout
     tail = "\n".join(out.splitlines()[-60:])
     assert "ENGINE UP" in out and "FAULTS INSTALLED [{'rank': 0}, {'rank': 1}]" in out, tail
     assert "CLIENT GOT OUTPUTS" not in out, tail
@@ -68,4 +79,9 @@ def test_a_stalled_rank_fails_its_peer_with_an_error_naming_it(tiny_model, tmp_p
     line = next(x for x in out.splitlines() if "RendezvousTimeout" in x and "rank 1" in x)
     assert "rank 0" in line and "pre_d" in line and "round 3" in line, line
     assert "rank 1 last arrived at post_d of round 2" in line, line
+    # Rank 1 wakes after rank 0 gave up and finds every slot full; it must not go on into D's
+    # all-reduce alone (vLLM's CPU all-reduce would spin there for good) but fail naming rank 0.
+    late = next((x for x in out.splitlines() if "errors.RendezvousAbandoned:" in x), "")
+    assert "rank 1 in pre_d of round 3" in late, tail
+    assert "rank 0 timed out in pre_d of round 3" in late, late
     print(line, f"(subprocess {elapsed:.0f} s)")

@@ -24,6 +24,7 @@ from vllm_ainfer_pd.turnstile import (
     GlooRendezvous,
     HierarchicalRendezvous,
     NullRendezvous,
+    RendezvousAbandoned,
     RendezvousError,
     RendezvousMismatch,
     RendezvousTimeout,
@@ -142,6 +143,40 @@ def test_rendezvous_is_unusable_after_a_timeout():
             rdv.pre_d()
         with pytest.raises(RendezvousError, match="unusable after an earlier failure"):
             rdv.pre_d()
+
+
+def test_a_rank_arriving_after_its_peer_timed_out_fails_naming_it_instead_of_going_on():
+    """Rank 0 times out in pre_d of round 1; rank 1 arrives afterwards and finds every slot full.
+    Going on would take it into D's collectives alone, so it fails naming rank 0."""
+    name = shm_name()
+    with ShmRendezvous(name, 0, 2, timeout_s=0.2) as r0, \
+            ShmRendezvous(name, 1, 2, timeout_s=0.2) as r1:
+        done = run_threads(2, lambda r: ((r0, r1)[r].pre_d(), (r0, r1)[r].post_d()))
+        assert all(isinstance(v, tuple) for v in done.values()), done
+        with pytest.raises(RendezvousTimeout) as first:
+            r0.pre_d()
+        assert type(first.value) is RendezvousTimeout and first.value.missing == (1,)
+        with pytest.raises(RendezvousAbandoned) as late:
+            r1.pre_d()
+    err = late.value
+    assert (err.rank, err.phase, err.round, err.missing) == (1, "pre_d", 1, ())
+    assert "rank 0 timed out in pre_d of round 1" in str(err)
+
+
+def test_ranks_waiting_with_a_peer_that_times_out_stop_too_and_name_the_missing_rank():
+    name = shm_name()
+    rdvs = [ShmRendezvous(name, 0, 3, timeout_s=0.3), ShmRendezvous(name, 1, 3, timeout_s=30)]
+    try:
+        start = time.monotonic()
+        out = run_threads(2, lambda r: rdvs[r].pre_d())  # rank 2 never comes
+        waited = time.monotonic() - start
+    finally:
+        for rdv in reversed(rdvs):
+            rdv.close()
+    assert type(out[0]) is RendezvousTimeout, out
+    assert isinstance(out[1], RendezvousAbandoned) and out[1].missing == (2,), out
+    assert "rank 0 timed out in pre_d of round 0; rank 2 never arrived" in str(out[1])
+    assert waited < 10  # rank 1 stopped with rank 0, not after its own 30 s
 
 
 def test_phases_out_of_order_are_rejected():

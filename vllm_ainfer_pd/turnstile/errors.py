@@ -97,6 +97,11 @@ class RendezvousTimeout(RendezvousError):
     """A rank waited longer than the timeout for its peers to reach the same phase."""
 
 
+class RendezvousAbandoned(RendezvousTimeout):
+    """A peer timed out in this rendezvous, so this rank stops waiting too; if this rank arrived
+    after that, going on would take it into collectives its peer never joins."""
+
+
 class RendezvousMismatch(RendezvousError):
     """Ranks met in the same collective while standing in different phases or rounds."""
 

@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from vllm_ainfer_pd.turnstile.errors import RendezvousMismatch, RendezvousTimeout
+from vllm_ainfer_pd.turnstile.errors import (
+    RendezvousAbandoned,
+    RendezvousError,
+    RendezvousMismatch,
+    RendezvousTimeout,
+)
 from vllm_ainfer_pd.turnstile.rendezvous.base import (
     MAX_PAYLOAD,
     Payload,
@@ -99,12 +104,24 @@ class HierarchicalRendezvous(Rendezvous):
         def timed_out(waited: float) -> NoReturn:
             self._raise_timeout(gen, phase, rnd)
 
+        def peer_gave_up(peer: int, at: int) -> NoReturn:
+            missing, detail = self._missing(gen)
+            gone = f"rank {self._local[peer]} timed out in {phase_of(at)}"
+            raise RendezvousAbandoned("a peer gave up waiting", rank=self.rank, phase=phase,
+                                      round=rnd, missing=missing,
+                                      detail="; ".join(x for x in (gone, detail) if x))
+
         segment.arrive(gen, payload)
         if self.rank != self.leader:
-            return segment.wait(lambda: segment.read_board(gen), timed_out)
+            return segment.wait(gen, lambda: segment.read_board(gen), timed_out, peer_gave_up)
         since = time.monotonic()
-        local = segment.wait(lambda: self._gather_host(segment, gen, since), timed_out)
-        payloads = self._exchange(gen, phase, rnd, local)
+        local = segment.wait(gen, lambda: self._gather_host(segment, gen, since), timed_out,
+                             peer_gave_up)
+        try:
+            payloads = self._exchange(gen, phase, rnd, local)
+        except RendezvousError:
+            segment.give_up(gen)  # this host's ranks waiting on the board fail now, naming it
+            raise
         segment.post_board(gen, payloads)
         return payloads
 

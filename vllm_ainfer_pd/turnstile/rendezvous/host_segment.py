@@ -17,6 +17,7 @@ T = TypeVar("T")
 
 _LINE = 8  # int64 words per 64-byte cache line: one line per rank avoids false sharing
 _MAGIC = 0x4149_4E46_5250_4431  # marks a segment whose header is written (format 1: tagged words)
+_GAVE_UP = 3  # header word: 0, or (generation << 16 | local rank + 1) of the first to give up
 _WORDS = 1 + MAX_PAYLOAD  # one payload buffer: its length word, then MAX_PAYLOAD value words
 _TAG_BITS = 16
 _VALUE_BITS = 64 - _TAG_BITS
@@ -42,13 +43,13 @@ def _untag(word: int, gen: int) -> int | None:
 class HostSegment:
     """Arrival slots and payload buffers of the ranks of one host, in one shared-memory segment.
 
-    Layout: line 0 holds a header (magic, world size, board size); lines `1 + 2r` and `2 + 2r`
-    belong to local rank `r`: its arrival slot (the last generation it reached) and two payload
-    buffers, one per generation parity. `arrive` writes this rank's payload buffer, then stores its
-    generation into its own slot; `gather` returns every rank's payload once every slot holds at
-    least that generation. Slots only grow, so no reset or sense flag is needed, and `late` names
-    the ranks a wait is missing. `board` appends two parity buffers of `board` payloads each, where
-    one rank (a host's leader) publishes payloads to the host (`post_board`, `read_board`).
+    Layout: line 0 holds a header (magic, world size, board size, the give-up mark); lines `1 + 2r`
+    and `2 + 2r` belong to local rank `r`: its arrival slot (the last generation it reached) and two
+    payload buffers, one per generation parity. `arrive` writes this rank's payload buffer, then
+    stores its generation into its own slot; `gather` returns every rank's payload once every slot
+    holds at least that generation. Slots only grow, so no reset or sense flag is needed, and `late`
+    names the ranks a wait is missing. `board` appends two parity buffers of `board` payloads each,
+    where one rank (a host's leader) publishes payloads to the host (`post_board`, `read_board`).
 
     Memory ordering. Python has no fence, and only x86 keeps stores in order and loads in order;
     on Arm (GH200, GB200) a reader may see a rank's new slot before that rank's payload stores, or
@@ -70,6 +71,14 @@ class HostSegment:
     unlinks it on `close`; the others attach, retrying until `timeout_s`. `name` must be unique
     per job. Ranks here are local indices `0 .. world_size - 1`. Threads of one process may each
     hold their own instance (used by tests).
+
+    Giving up. A rank whose wait times out marks the segment before it raises (`give_up`), and
+    every wait, this rank's included, checks the mark before it looks at the slots: a rank that
+    arrives after a peer gave up fails at once, naming that peer and where it gave up, instead of
+    finding every slot full and going on into D's collectives, where its peer never comes (and no
+    timeout of this package guards the wait). The mark is written once and never cleared: the
+    rendezvous is unusable after a timeout anyway. It narrows the race rather than closing it: a
+    rank that completed its check just before the mark appeared still goes on.
 
     `wait` spins for `spin_s`, then yields the CPU (`sched_yield`), then sleeps ~50 us per check
     after `yield_s`, so long skews do not starve the late ranks. `spin_s=None` spins 50 us when
@@ -148,10 +157,27 @@ class HostSegment:
             out.append(payload)
         return out
 
-    def wait(self, ready: Callable[[], T | None], timed_out: Callable[[float], NoReturn]) -> T:
-        """Poll `ready` until it returns a value; call `timed_out(waited)` after `timeout_s`."""
+    def give_up(self, gen: int) -> None:
+        """Mark the segment: this rank gave up waiting at `gen` (the first mark stays)."""
+        if self._view[_GAVE_UP] == 0:
+            self._view[_GAVE_UP] = (gen << 16) | (self.rank + 1)
+
+    def gave_up(self) -> tuple[int, int] | None:
+        """(local rank, generation) of the rank that gave up waiting, or None."""
+        mark = self._view[_GAVE_UP]
+        return None if mark == 0 else ((mark & 0xFFFF) - 1, mark >> 16)
+
+    def wait(self, gen: int, ready: Callable[[], T | None],
+             timed_out: Callable[[float], NoReturn],
+             peer_gave_up: Callable[[int, int], NoReturn]) -> T:
+        """Poll `ready` until it returns a value. After `timeout_s`, mark the segment
+        (`give_up(gen)`) and call `timed_out(waited)`; once any rank has marked it, call
+        `peer_gave_up(local rank, its generation)` instead of polling."""
         start = time.monotonic()
+        view = self._view
         while True:
+            if view[_GAVE_UP] != 0:
+                peer_gave_up(*self.gave_up())
             got = ready()
             if got is not None:
                 return got
@@ -159,6 +185,7 @@ class HostSegment:
             if waited < self.spin_s:
                 continue
             if waited > self.timeout_s:
+                self.give_up(gen)
                 timed_out(waited)
             if waited < self.yield_s:
                 os.sched_yield()

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from vllm_ainfer_pd.turnstile.errors import RendezvousTimeout
-from vllm_ainfer_pd.turnstile.rendezvous.base import Payload, Rendezvous, describe_generation
+from vllm_ainfer_pd.turnstile.errors import RendezvousAbandoned, RendezvousTimeout
+from vllm_ainfer_pd.turnstile.rendezvous.base import (
+    Payload,
+    Rendezvous,
+    describe_generation,
+    phase_of,
+)
 from vllm_ainfer_pd.turnstile.rendezvous.host_segment import HostSegment
 
 
@@ -16,7 +21,7 @@ class ShmRendezvous(Rendezvous):
     A rank arrives by writing its payload, then its generation, into its own slot of the segment,
     and waits until every slot holds at least that generation (the segment's docstring has the
     layout and why no payload word depends on the order of stores). On timeout the slots name the
-    missing ranks.
+    missing ranks, and a rank that arrives after a peer timed out fails naming it.
 
     The creator (rank 0 unless `create` says otherwise) makes the segment named `name` and unlinks
     it on `close`; the others attach, retrying until `timeout_s`. `name` must be unique per job
@@ -37,12 +42,21 @@ class ShmRendezvous(Rendezvous):
         segment = self.segment
         assert segment is not None, "rendezvous used after close"
         segment.arrive(gen, payload)
-        return segment.wait(lambda: segment.gather(gen),
-                            lambda waited: self._raise_timeout(segment, gen, phase, rnd))
+        return segment.wait(gen, lambda: segment.gather(gen),
+                            lambda waited: self._raise_timeout(segment, gen, phase, rnd),
+                            lambda peer, at: self._raise_timeout(segment, gen, phase, rnd,
+                                                                 (peer, at)))
 
-    def _raise_timeout(self, segment: HostSegment, gen: int, phase: str, rnd: int) -> NoReturn:
+    def _raise_timeout(self, segment: HostSegment, gen: int, phase: str, rnd: int,
+                       gave_up: tuple[int, int] | None = None) -> NoReturn:
         late = segment.late(gen)
         detail = "; ".join(f"rank {r} {describe_generation(g)}" for r, g in late.items())
+        if gave_up is not None:
+            peer, at = gave_up
+            gone = f"rank {peer} timed out in {phase_of(at)}"
+            raise RendezvousAbandoned("a peer gave up waiting", rank=self.rank, phase=phase,
+                                      round=rnd, missing=tuple(late),
+                                      detail="; ".join(x for x in (gone, detail) if x))
         if not late:
             # Every slot moved on but some payload word never showed this generation's tag:
             # something other than this job's ranks wrote into the segment.
