@@ -13,12 +13,16 @@
 4. The lane's normal-mode buffer beside it in the same process (`PhaseBuffers`, with explicit
    EP=1 configs: DeepEP recommends none for one rank), the guard (a normal-mode call reaching
    the low-latency buffer raises), the pair's sizes for EP 2/4/8 with vLLM's NVLink bytes for D,
-   and P's SM count kept in P's configs after DeepEP's class-wide count is set to another value
-   (as vLLM's high-throughput manager's `set_num_sms` does).
+   and P's SM count in P's configs (the EP=1 ones `PhaseBuffers` holds, and `p_configs` for EP
+   2/4/8) with DeepEP's class-wide count set to another value first (as vLLM's high-throughput
+   manager's `set_num_sms` does), read through the configs' NVLink size hints (DeepEP's `Config`
+   exposes no `num_sms`); P's prepare/finalize passes those configs.
 5. The low-latency dispatch and combine at EP=1 on vLLM's buffer, with the keywords vLLM's
    low-latency prepare/finalize passes (receive hooks, `out=`), against a torch reference.
-6. vLLM's manager destroys its buffer; P's 1-rank normal-mode buffer is destroyed last (v1.2.1
-   failed there at one rank).
+6. vLLM's manager destroys its buffer; P's 1-rank normal-mode buffer is destroyed last. DeepEP's
+   `destroy` of a buffer with NVLink bytes runs an NVLink barrier instantiated for 2, 4 and 8
+   ranks only (`one_rank_barrier`): that assertion, checked against the built source, is recorded
+   as not possible at one rank (ok null); anything else as it is.
 
     python3 benchmarks/deepep_vllm_one_gpu.py \
         --build-info ~/.cache/vllm-ainfer-pd/deepep-build/build_info.json \
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -118,6 +123,128 @@ def vllm_style_low_latency_step(buffer, experts: int, top_k: int, max_tokens: in
     return checked_low_latency(x, topk, weights, recv, count, combined)
 
 
+OTHER_SMS = 8  # the class-wide count set before P's configs are made (vLLM's set_num_sms may)
+
+
+def nvl_hints(configs, hidden_bytes: int, ranks: int) -> list[int]:
+    return [c.get_nvl_buffer_size_hint(hidden_bytes, ranks) for c in configs]
+
+
+def p_sm_count(deep_ep, buffers, args) -> dict:
+    """P's SM count in P's configs, with DeepEP's class-wide `Buffer.num_sms` set to another
+    value first. DeepEP's pybind `Config` binds its constructor and the two size hints only
+    (csrc/deep_ep.cpp), no `num_sms`, so the count is read through what it sizes: the NVLink
+    hint grows with the channels, num_sms / 2 (csrc/config.hpp), and differs between P's count
+    and the other. Checked: (a) the EP=1 configs `PhaseBuffers` holds against a `Config` built
+    with P's count; (b) `p_configs` (the configs the lane makes for EP 2/4/8) against DeepEP's
+    recommended configs at P's count, and the class-wide count is back afterwards."""
+    from vllm_ainfer_pd.deepep.buffers import p_configs
+
+    assert args.p_sms != OTHER_SMS
+    hidden_bytes = args.hidden * 2
+    cls = deep_ep.Buffer
+    saved = cls.num_sms
+    cls.set_num_sms(OTHER_SMS)
+    try:
+        held = (buffers.dispatch_config, buffers.combine_config)
+        want = nvl_hints([deep_ep.Config(args.p_sms, 6, 256, 6, 128)], hidden_bytes, 1) * 2
+        wrong = nvl_hints([deep_ep.Config(OTHER_SMS, 6, 256, 6, 128)], hidden_bytes, 1) * 2
+        got = nvl_hints(held, hidden_bytes, 1)
+        assert want != wrong, (want, wrong)
+        assert got == want, f"EP=1: P's configs size {got}, P's {args.p_sms} SMs size {want}"
+        rows = [{"ep": 1, "p_configs_nvl_hint": got, f"at_{args.p_sms}_sms": want,
+                 f"at_{OTHER_SMS}_sms": wrong}]
+        for ep in (2, 4, 8):
+            made = p_configs(deep_ep, ep, args.p_sms)
+            assert cls.num_sms == OTHER_SMS, f"p_configs left Buffer.num_sms at {cls.num_sms}"
+            reference = {}
+            for n in (args.p_sms, OTHER_SMS):
+                cls.num_sms = n
+                reference[n] = nvl_hints((cls.get_dispatch_config(ep), cls.get_combine_config(ep)),
+                                         hidden_bytes, ep)
+            cls.num_sms = OTHER_SMS
+            got = nvl_hints(made, hidden_bytes, ep)
+            want, wrong = reference[args.p_sms], reference[OTHER_SMS]
+            assert all(a != b for a, b in zip(want, wrong)), (ep, want, wrong)
+            assert got == want, f"EP={ep}: p_configs size {got}, P's {args.p_sms} SMs size {want}"
+            rows.append({"ep": ep, "p_configs_nvl_hint": got, f"at_{args.p_sms}_sms": want,
+                         f"at_{OTHER_SMS}_sms": wrong})
+    finally:
+        cls.num_sms = saved
+    return {"p_sms": args.p_sms, "class_wide_set_to": OTHER_SMS,
+            "read_through": "Config.get_nvl_buffer_size_hint (dispatch, combine)", "rows": rows}
+
+
+def p_kernels_pass_p_configs(buffers) -> str:
+    """The configs P's prepare/finalize passes to DeepEP's dispatch and combine are the ones
+    `PhaseBuffers` holds (vLLM's own read `Buffer.num_sms` at each call)."""
+    import types
+
+    from vllm_ainfer_pd.deepep.kernels import p_prepare_finalize_cls
+
+    pf = p_prepare_finalize_cls()
+    holder = types.SimpleNamespace(buffers=buffers)
+    assert pf._get_dispatch_config(holder) is buffers.dispatch_config
+    assert pf._get_combine_config(holder) is buffers.combine_config
+    return f"{pf.__name__} passes PhaseBuffers' dispatch and combine configs"
+
+
+ASSERTION = re.compile(r"Assertion error (\S+?):(\d+) 'false and \"Unsupported ranks\"'")
+
+
+def one_rank_barrier(error: str, buffer, group) -> str | None:
+    """Why `destroy` cannot run at one rank, or None where the error is anything else.
+
+    DeepEP's `Buffer::destroy` (csrc/deep_ep.cpp) meets its NVLink peers in
+    `intranode::barrier` when the buffer has NVLink bytes; that launch (csrc/kernels/runtime.cu)
+    switches over `SWITCH_RANKS` (csrc/kernels/launch.cuh), which has cases for 2, 4 and 8 ranks
+    and asserts "Unsupported ranks" for any other count. Returned only when all of it holds here:
+    one rank, NVLink bytes in the buffer, the assertion at a line of the built source that is
+    `SWITCH_RANKS` inside `intranode`'s `barrier`, and that source's `SWITCH_RANKS` has no case 1.
+    """
+    match = ASSERTION.search(error)
+    if match is None or group.size() != 1 or buffer is None or buffer.num_nvl_bytes <= 0:
+        return None
+    path, line = match.group(1), int(match.group(2))
+    launch = os.path.join(os.path.dirname(path), "launch.cuh")
+    if not (os.path.exists(path) and os.path.exists(launch)):
+        return None
+    with open(path) as f:
+        lines = f.read().splitlines()
+    if not (0 < line <= len(lines)) or "SWITCH_RANKS(" not in lines[line - 1]:
+        return None
+    above = lines[:line]
+    function = next((x for x in reversed(above) if re.match(r"^\w.*\b(\w+)\(", x)), "")
+    namespace = next((x for x in reversed(above) if x.startswith("namespace ")), "")
+    if not (re.match(r"^void barrier\(", function) and namespace.startswith("namespace intranode")):
+        return None
+    with open(launch) as f:
+        text = f.read()
+    macro = re.search(r"#define SWITCH_RANKS\(case_macro\)((?:.*\\\n)*.*)", text)
+    if macro is None:
+        return None
+    cases = [int(c) for c in re.findall(r"case (\d+):", macro.group(1))]
+    if not cases or 1 in cases:
+        return None
+    return (f"DeepEP's Buffer::destroy meets its NVLink peers ({buffer.num_nvl_bytes} NVLink bytes "
+            f"here) in intranode::barrier, {path}:{line}: SWITCH_RANKS, whose cases in "
+            f"{launch} are {cases} ranks, asserts 'Unsupported ranks' at 1 rank")
+
+
+def destroy_step(result: dict, name: str, fn, buffer, group) -> None:
+    """`step`, except that DeepEP's one-rank barrier assertion (`one_rank_barrier`, checked
+    against the built source) is recorded as not possible at one rank (ok null, with the
+    reason); every other outcome stays as `step` records it."""
+    step(result, name, fn)
+    record = result[name]
+    if record["ok"]:
+        return
+    reason = one_rank_barrier(record["error"], buffer, group)
+    if reason is not None:
+        result[name] = {"ok": None, "not_possible_at_one_rank": reason, "error": record["error"]}
+        print(f"[one-gpu] {name}: not possible at one rank: {reason}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="deepep_vllm_one_gpu.json")
@@ -136,7 +263,7 @@ def main() -> int:
             json.dump(result, f, indent=1, default=str)
         print(f"[one-gpu] wrote {args.out}", flush=True)
     essential = ("check_api", "d_buffer_through_vllm_manager", "p_normal_buffer_beside_it",
-                 "d_low_latency_dispatch_combine_vllm_kwargs")
+                 "p_sm_count_own", "d_low_latency_dispatch_combine_vllm_kwargs")
     return 0 if all(result.get(k, {}).get("ok") for k in essential) else 1
 
 
@@ -180,17 +307,8 @@ def run(args, result: dict) -> None:
     if buffers is not None:
         result["p_normal_buffer_beside_it"]["value"] = "built"
 
-        def sm_count() -> dict:
-            saved = deep_ep.Buffer.num_sms
-            deep_ep.Buffer.set_num_sms(8)  # what vLLM's high-throughput manager may do
-            try:
-                kept = (buffers.dispatch_config.num_sms, buffers.combine_config.num_sms)
-            finally:
-                deep_ep.Buffer.num_sms = saved
-            assert kept == (args.p_sms, args.p_sms), kept
-            return {"p_configs_num_sms": kept, "class_wide_set_to": 8}
-
-        step(result, "p_sm_count_own", sm_count)
+        step(result, "p_sm_count_own", lambda: p_sm_count(deep_ep, buffers, args))
+        step(result, "p_kernels_pass_p_configs", lambda: p_kernels_pass_p_configs(buffers))
 
     def guard() -> str:
         try:
@@ -206,9 +324,9 @@ def run(args, result: dict) -> None:
         d_nvl_bytes=d_buffer.num_nvl_bytes).describe() for ep in (2, 4, 8)])
     step(result, "d_low_latency_dispatch_combine_vllm_kwargs", lambda: vllm_style_low_latency_step(
         d_buffer, args.experts, args.top_k, args.ll_tokens, args.hidden))
-    step(result, "destroy_d_through_vllm_manager", manager.destroy)
+    destroy_step(result, "destroy_d_through_vllm_manager", manager.destroy, d_buffer, group)
     if buffers is not None:
-        step(result, "destroy_p", buffers.destroy)
+        destroy_step(result, "destroy_p", buffers.destroy, buffers.normal, group)
 
 
 if __name__ == "__main__":
