@@ -3,20 +3,32 @@ baseline.
 
     python benchmarks/serve_parity_cpu.py --tp 2 --dp 2 \
         --out benchmarks/results/cpu/parity_tp2_dp2_ep.json
+    python benchmarks/serve_parity_cpu.py --tp 2 --dp 2 --hosts 2 \
+        --out benchmarks/results/cpu/parity_tp2_dp2_ep_two_hosts.json
 
 Serves the parity waves (tests/test_parity_offline.py) with `mode=pd` (lane on for prompts of >= 32
 uncached tokens) and with `mode=normal` in the same layout (`--data-parallel-size N
 --enable-expert-parallel` when DP > 1: stock vLLM cannot serve DP+EP on the CPU, so `normal` is the
 baseline there), one server at a time; stock TP=1 offline is the teacher forcer for the tie rule.
 Records per-rank lane counters from `/metrics` and checks that every rank ran the same segments.
+
+`--hosts 2` serves `pd` as vLLM's multi-node DP launch on this machine: DP ranks 0 .. dp/2 - 1
+behind the API server as "host a", a `--headless` launch of the others as "host b" (the host
+identity overridden through VLLM_AINFER_PD_HOST_ID). With TP >= 2 each host holds several ranks,
+so the lane takes `HierarchicalRendezvous` (shared memory within a host, gloo between the two);
+the run checks it did, then replays a short rollout through the same server.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 # The test harness (ainfer_pd_testing) is not installed with the package: import it from this
@@ -25,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int,
-                speculative_config: dict | None = None):
+                speculative_config: dict | None = None, hosts: int = 1):
     from ainfer_pd_testing.metrics import settled_rank_metrics
     from ainfer_pd_testing.parity import ServerRunner, run_waves
     from vllm_ainfer_pd.rollout.backend_metrics import parse, read_metrics_text
@@ -39,15 +51,91 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
         args += ["--data-parallel-size", str(dp), "--enable-expert-parallel"]
     if speculative_config is not None:
         args += ["--speculative-config", json.dumps(speculative_config)]
+    extra: dict = {}
     start = time.time()
-    with VllmServer(model, args, cpu_env(tp * dp), name=f"parity-{lane['mode']}") as srv:
-        up = time.time() - start
-        out = run_waves(ServerRunner(srv.url, model), waves, max_tokens)
-        lanes = settled_rank_metrics(srv.url, model, dp)  # every rank's last epochs reported
-        text = read_metrics_text(srv.url)
+    with TwoHosts(model, args, tp, dp) if hosts == 2 else _nothing() as host_b:
+        env = cpu_env(tp * dp // hosts)
+        if host_b is not None:
+            args = args + host_b.front_args
+            env = {**env, HOST_ID_ENV: "host-a"}
+        with VllmServer(model, args, env, name=f"parity-{lane['mode']}") as srv:
+            up = time.time() - start
+            out = run_waves(ServerRunner(srv.url, model), waves, max_tokens)
+            if host_b is not None:
+                extra = {"rendezvous": rendezvous_named(srv.log_text()),
+                         "rollout": short_rollout(srv.url)}
+            lanes = settled_rank_metrics(srv.url, model, dp)  # every rank's last epochs reported
+            text = read_metrics_text(srv.url)
     spec = {k: v for k, v in parse(text).items() if k.startswith("vllm:spec_decode")}
-    return out, {"startup_s": round(up, 1), "lane_by_rank": lanes,
+    return out, {"startup_s": round(up, 1), "lane_by_rank": lanes, **extra,
                  **({"spec_decode": spec} if speculative_config is not None else {})}
+
+
+HOST_ID_ENV = "VLLM_AINFER_PD_HOST_ID"
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield None
+
+
+class TwoHosts:
+    """The second "host" of a multi-node DP launch on this machine: a `--headless` `vllm serve`
+    with the upper half of the DP ranks, its host identity "host-b"; `front_args` are what the
+    API server's launch adds (the lower half, the DP address and RPC port)."""
+
+    def __init__(self, model: str, args: list[str], tp: int, dp: int) -> None:
+        from vllm_ainfer_pd.rollout.server import free_port
+
+        if dp < 2 or dp % 2:
+            raise SystemExit(f"--hosts 2 needs an even --dp >= 2, got {dp}")
+        self.model, self.tp, self.local = model, tp, dp // 2
+        common = ["--data-parallel-size-local", str(self.local), "--data-parallel-address",
+                  "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
+        self.front_args = common
+        self.args = args + common + ["--headless", "--data-parallel-start-rank", str(self.local)]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="host-b-", suffix=".log",
+                                               delete=False)
+
+    def __enter__(self) -> TwoHosts:
+        from vllm_ainfer_pd.rollout.cpu_engine import cpu_env
+        from vllm_ainfer_pd.rollout.server import vllm_command
+
+        self.proc = subprocess.Popen(
+            vllm_command() + ["serve", self.model, *self.args], stdout=self.log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **cpu_env(self.tp * self.local), HOST_ID_ENV: "host-b"})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if exc[0] is not None:
+            self.log.seek(0)
+            print(f"--- host b ---\n{self.log.read()[-3000:]}", file=sys.stderr)
+
+
+def rendezvous_named(log: str) -> str:
+    """The rendezvous the lane's workers behind the API server logged ("P lane: <kind> over
+    <n> ranks")."""
+    lines = [x for x in log.splitlines() if "P lane: " in x and " ranks" in x]
+    return lines[-1].split("P lane: ", 1)[1].strip() if lines else "not logged"
+
+
+def short_rollout(url: str) -> dict:
+    """A three-trajectory rollout through `url`: every request must complete."""
+    from vllm_ainfer_pd.rollout.replayer import ReplayConfig, replay
+    from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn
+
+    trace = Trace((Trajectory("a", (Turn(120, 6), Turn(40, 8, 0.1))),
+                   Trajectory("b", (Turn(300, 12), Turn(60, 4, 0.0))),
+                   Trajectory("c", (Turn(200, 9),), start_s=0.2)))
+    result = replay(trace, ReplayConfig(url, wait_scale=1.0, progress=False))
+    return {"requests": trace.num_requests, "ok": sum(r.ok for r in result.records),
+            "errors": [r.error for r in result.records if not r.ok]}
 
 
 def main() -> None:
@@ -61,6 +149,8 @@ def main() -> None:
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help="JSON for both servers, e.g. '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 3}' (the teacher forcer has none)")
+    parser.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                        help="2: serve pd as two \"hosts\" on this machine (module docstring)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -72,7 +162,7 @@ def main() -> None:
     prompts = [p for w in waves for p in w]
     result: dict = {"layout": {"tp": args.tp, "dp": args.dp, "expert_parallel": args.dp > 1},
                     "p_host": args.p_host, "segment_policy": args.segment_policy,
-                    "speculative_config": args.speculative_config}
+                    "speculative_config": args.speculative_config, "hosts": args.hosts}
     lane = {"p_lane_min_tokens": 32, "p_host": args.p_host}
     if args.segment_policy is not None:
         lane["segment_policy"] = args.segment_policy
@@ -80,7 +170,8 @@ def main() -> None:
     for mode in ("pd", "normal"):
         print(f"[serve-parity] mode={mode} TP={args.tp} DP={args.dp}", file=sys.stderr, flush=True)
         outs[mode], result[mode] = serve_waves(model, args.tp, args.dp, {"mode": mode, **lane},
-                                               waves, args.max_tokens, args.speculative_config)
+                                               waves, args.max_tokens, args.speculative_config,
+                                               args.hosts if mode == "pd" else 1)
     with offline_llm(model, 1) as stock:
         report = compare(prompts, outs["normal"], outs["pd"], stock.teacher_force)
         vs_stock = compare(prompts, run_waves(stock, waves, args.max_tokens), outs["pd"],
@@ -94,6 +185,11 @@ def main() -> None:
     result["ok"] = (report.fail == 0 and vs_stock.fail == 0
                     and result["segments_equal_on_all_ranks"]
                     and len(lanes) == args.tp * args.dp and min(segments.values()) > 0)
+    if args.hosts == 2:
+        rollout = result["pd"]["rollout"]
+        want = "HierarchicalRendezvous" if args.tp > 1 else "GlooRendezvous"
+        result["ok"] = (result["ok"] and result["pd"]["rendezvous"].startswith(want)
+                        and rollout["ok"] == rollout["requests"])
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:

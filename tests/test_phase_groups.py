@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HIDDEN = 4
 ROUNDS = 3
+GONE_TIMEOUT_S = 3.0
 
 
 def _vllm_groups(rank: int, world_size: int):
@@ -150,7 +151,7 @@ def _scenarios_rank(rank: int, world_size: int, port: int) -> dict:
     dist.all_gather_object(flags, state.retired)
     if any(flags):
         with set_current_vllm_config(config):
-            state.rebuild()
+            state.rebuild(timeout_s=60, rank=rank)
     out["after"] = _on_p_thread(lambda: _exchange(config, rank, world_size, 4))
     out["old_destroyed"] = all(not hasattr(g, "device_group") for g in old.values())
     out["rebuilds"], out["retired_now"] = state.rebuilds, state.retired
@@ -158,6 +159,20 @@ def _scenarios_rank(rank: int, world_size: int, port: int) -> dict:
     # 3. Negative control: without P's own groups P's getters return D's.
     moe_phase.install_group_view(None)
     out["shared"] = _crossed_orders(config, rank, world_size)
+
+    # 4. A peer gone mid-rebuild: rank 1 leaves; rank 0's rebuild (new communicators over the
+    # world, whose creation waits for rank 1 with gloo's 30-minute default) must end with the
+    # lane's named error within the bound instead.
+    if rank == 0:
+        from vllm_ainfer_pd.turnstile.errors import DrainTimeout
+
+        start = time.monotonic()
+        try:
+            with set_current_vllm_config(config):
+                state.rebuild(timeout_s=GONE_TIMEOUT_S, rank=rank)
+            out["gone"] = ("rebuilt without its peer", time.monotonic() - start)
+        except DrainTimeout as exc:
+            out["gone"] = (str(exc), time.monotonic() - start)
     return out
 
 
@@ -184,6 +199,14 @@ def test_a_failed_epoch_retires_p_groups_and_every_rank_rebuilds_them(scenarios)
         assert r["before"] == ("ep:1", True), r
         assert r["after"] == ("ep:2", True), r  # the rebuilt group, the next "ep" name
         assert r["old_destroyed"] and r["rebuilds"] == 1 and not r["retired_now"], r
+
+
+def test_a_peer_gone_mid_rebuild_ends_the_rebuild_with_a_named_error_within_the_bound(scenarios):
+    what, waited = scenarios[0]["gone"]
+    assert what.startswith("waited for P's expert-parallel state (stateless) to be destroyed "
+                           "and re-created on every rank (rank 0, epoch None): not done after "
+                           "3 s"), what
+    assert GONE_TIMEOUT_S <= waited < GONE_TIMEOUT_S + 10, waited
 
 
 def test_negative_control_shared_communicators_pair_p_with_d(scenarios):

@@ -34,7 +34,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,8 +225,9 @@ class PhaseBuffers:
     `for_p()` is the only way P's kernels reach a buffer: it checks that the buffer is the
     normal-mode one, never D's (a normal-mode call on the low-latency buffer would advance the
     state D's captured graphs replay against). After a failed P epoch that dispatched, the
-    normal-mode buffer is retired (`retire`) and replaced on every rank at one agreed point
-    (`rebuild`); the low-latency buffer is D's for the life of the process.
+    normal-mode buffer is replaced on every rank at one agreed point (`rebuild`; `PhaseEP` keeps
+    the retirement and refuses P's next epoch until then); the low-latency buffer is D's for the
+    life of the process.
 
     `dispatch_config` / `combine_config` carry P's SM count; P's kernels pass them to every call
     (`configs`: explicit ones, e.g. for an EP size DeepEP recommends none for; default
@@ -246,7 +246,6 @@ class PhaseBuffers:
             raise DeepEPUnavailable("D's DeepEP buffer is not in low-latency mode: vLLM must "
                                     "build D with --all2all-backend deepep_low_latency")
         self.normal = self._new_normal()
-        self.retired = False
         self.rebuilds = 0
 
     def _new_normal(self) -> Any:
@@ -257,23 +256,14 @@ class PhaseBuffers:
 
     def for_p(self) -> Any:
         buffer = self.normal
-        if self.retired:
-            raise RuntimeError("P's DeepEP normal-mode buffer is retired (a failed epoch left it "
-                               "half-advanced) and not yet rebuilt")
         check_normal(buffer, self.low_latency)
         return buffer
 
-    def retire(self) -> None:
-        self.retired = True
-
-    def rebuild(self, drain: Callable[[], None] | None = None) -> None:
-        """Collective over the EP group. `drain` waits for P's submitted device work; DeepEP's
-        `destroy` then synchronises the device and meets its peers in an NVLink barrier."""
-        if drain is not None:
-            drain()
+    def rebuild(self) -> None:
+        """Collective over the EP group, once P's submitted device work drained: DeepEP's
+        `destroy` synchronises the device and meets its peers in an NVLink barrier."""
         self.normal.destroy()
         self.normal = self._new_normal()
-        self.retired = False
         self.rebuilds += 1
 
     def destroy(self) -> None:

@@ -14,13 +14,19 @@ The lane's contract (every call on the main thread unless said otherwise):
   and if so whether it still needs D's stream (it crosses a D group);
 - `open_epoch()`, `note_collective()` (P thread, for each collective on P's own state),
   `close_epoch(failed)`: a failed epoch that used P's state retires it (`retired`);
-- `rebuild(drain)`: collective over the world; every rank calls it at one agreed point, before
-  P's next epoch, when any rank's state is retired.
+- `rebuild(drain, timeout_s=, rank=)`: collective over the world; every rank calls it at one
+  agreed point, before P's next epoch, when any rank's state is retired;
+- `close(timeout_s=, rank=)`: at shutdown, P's buffer and P's communicators destroyed.
+
+Rebuild and close wait in calls that have no timeout of their own (a communicator's destroy and
+re-creation over the world, DeepEP's device sync and NVLink barrier), exactly when a peer may be
+gone; both run bounded (`bounded`): past `timeout_s` the error names the rank and the wait.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +37,42 @@ from vllm_ainfer_pd.deepep.buffers import (
     import_deep_ep,
 )
 from vllm_ainfer_pd.deepep.phase_groups import PhaseGroups
+from vllm_ainfer_pd.turnstile.errors import DrainTimeout
 from vllm_ainfer_pd.vllm_glue import moe_phase
 
 logger = logging.getLogger(__name__)
 
 STATELESS_BACKENDS = ("allgather_reducescatter", "naive")
 DEEPEP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
+
+
+def bounded(what: str, fn: Callable[[], None], timeout_s: float, rank: int) -> None:
+    """Run `fn()` on a helper thread (on this thread's CUDA device) and wait for it at most
+    `timeout_s`; `DrainTimeout` naming `rank` and `what` otherwise, and `fn`'s own error if it
+    raised. On timeout the helper is left behind, stuck: nothing can cancel a device sync or a
+    barrier whose peer is gone, and the error ends the engine."""
+    import torch
+
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    outcome: list[BaseException | None] = []
+
+    def body() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # the CUDA device is per host thread
+            fn()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the waiting thread
+            outcome.append(exc)
+
+    helper = threading.Thread(target=body, name=f"ainfer-pd-recovery-{rank}", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        raise DrainTimeout(f"waited for {what}", rank=rank, epoch=None,
+                           detail=f"not done after {timeout_s:.3g} s (a peer gone mid-call?)")
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def needs_phase_ep(parallel_config) -> bool:
@@ -160,16 +196,26 @@ class PhaseEP:
     def retired(self) -> bool:
         return self._retired
 
-    def rebuild(self, drain: Callable[[], None] | None = None) -> None:
-        """Collective over the world (see the module docstring)."""
+    def rebuild(self, drain: Callable[[], None] | None = None, *, timeout_s: float,
+                rank: int) -> None:
+        """Collective over the world (see the module docstring): `drain()` first (it bounds
+        itself), then the destroy and re-creation, bounded by `timeout_s`."""
         if self.groups is not None:
             from vllm.config import get_current_vllm_config_or_none
 
             if get_current_vllm_config_or_none() is None:
                 raise RuntimeError("PhaseEP.rebuild needs vLLM's current config")
-            self.groups.rebuild(drain)
-        if self.buffers is not None:
-            self.buffers.rebuild(drain)
+        if drain is not None:
+            drain()
+
+        def rebuild() -> None:
+            if self.groups is not None:
+                self.groups.rebuild()
+            if self.buffers is not None:
+                self.buffers.rebuild()
+
+        bounded(f"P's expert-parallel state ({self.kind}) to be destroyed and re-created on "
+                f"every rank", rebuild, timeout_s, rank)
         self._retired = False
         self.rebuilds += 1
 

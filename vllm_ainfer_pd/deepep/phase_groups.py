@@ -20,7 +20,7 @@ point (`rebuild`; `manager.PhaseEP` decides when), never used half-advanced.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from vllm_ainfer_pd.turnstile.route import crosses
@@ -77,13 +77,11 @@ class PhaseGroups:
             self._crossed[name] = any(crosses(group.ranks, d) for d in self.d_groups)
         return self._crossed[name]
 
-    def rebuild(self, drain: Callable[[], None] | None = None) -> None:
+    def rebuild(self) -> None:
         """Destroy P's communicators and build new ones over the same ranks. Collective over the
-        world: every rank calls it at the same point (the lane agrees on it in a rendezvous).
-        `drain` waits until P's submitted device work finished (a GPU communicator must not be
-        destroyed under a running kernel)."""
-        if drain is not None:
-            drain()
+        world: every rank calls it at the same point (the lane agrees on it in a rendezvous),
+        once P's submitted device work finished (a GPU communicator must not be destroyed under
+        a running kernel)."""
         for group in self.groups.values():
             group.destroy()
         self.groups = _copy_groups()

@@ -187,5 +187,10 @@ class AInferPDWorker(_platform_worker_cls()):
             logger.info("%s", lane.summary())
             lane.close()
         if self.phase_ep is not None:
-            self.phase_ep.close()
+            config = AInferPDConfig.from_vllm_config(self.vllm_config)
+            rank = lane.rank if lane is not None else self.rank
+            try:
+                self.phase_ep.close(timeout_s=config.timeout_s, rank=rank)
+            except Exception as exc:  # a peer gone at shutdown: say so, and shut down anyway
+                logger.warning("P lane rank %d: %s", rank, exc)
         super().shutdown()

@@ -312,8 +312,9 @@ class PLane(LaneRound):
     def _rebuild_phase_ep(self) -> None:
         """Rebuild P's expert-parallel state (collective over the world: every rank calls it in
         the same round, by the plan), after P's device work drained: no epoch is open, and a GPU
-        communicator or DeepEP buffer must not be destroyed under a running kernel. The drain is
-        bounded: P's stream must go idle within `timeout_s`."""
+        communicator or DeepEP buffer must not be destroyed under a running kernel. Bounded: P's
+        stream must go idle within `timeout_s`, and the destroy and re-creation finish within
+        `timeout_s` (`deepep.manager.bounded`)."""
         from vllm.config import set_current_vllm_config
 
         p_stream = self.p_thread.p_stream
@@ -323,7 +324,7 @@ class PLane(LaneRound):
                 self._bounded("P's stream to drain before the rebuild", p_stream.query)
 
         with set_current_vllm_config(self.vllm_config):
-            self.phase_ep.rebuild(drain)
+            self.phase_ep.rebuild(drain, timeout_s=self.config.timeout_s, rank=self.rank)
         self.stats.phase_ep_rebuilds += 1
         logger.info("P lane rank %d: P's expert-parallel state rebuilt (%s)", self.rank,
                     self.phase_ep.kind)
