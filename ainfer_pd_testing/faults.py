@@ -19,7 +19,11 @@ rendezvous rounds counted from the lane's start):
   the epoch (inside a segment, while its peers go on issuing the segment's rest): an asymmetric
   failure, as an out-of-memory at one rank's own batch shape is;
 - `slow_boundary_s=<seconds>`: P sleeps that long before each boundary on every rank (a slow P:
-  each round waits for P's stop at its permit, so an epoch spans more wall time, not more rounds).
+  each round waits for P's stop at its permit, so an epoch spans more wall time, not more rounds);
+- `device_delay="<epoch>:<seconds>"`: that epoch's device work completes that long after P's
+  last kernel was queued, on every rank (a slow device, or P's lowest-priority stream still
+  behind D's kernels: the lane must not report the epoch's jobs, and so free their KV blocks,
+  before then).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class ScriptedFaults(FaultHooks):
     """The faults `inject_p_faults` describes, for one rank's lane."""
 
     def __init__(self, stall: str = "", fail_epoch: str = "", slow_boundary_s: float = 0.0,
-                 fail_at: str = "") -> None:
+                 fail_at: str = "", device_delay: str = "") -> None:
         stall_rank, _, stall_round = stall.partition(":")
         self.stall = (int(stall_rank), int(stall_round)) if stall else None
         epoch, _, rank = fail_epoch.partition("@")
@@ -52,6 +56,8 @@ class ScriptedFaults(FaultHooks):
             where, _, point = fail_at.partition(":")
             epoch, _, rank = where.partition("@")
             self.fail_at = (int(epoch), int(rank), point[0], int(point[1:]))
+        epoch, _, seconds = device_delay.partition(":")
+        self.device_delay = (int(epoch), float(seconds)) if device_delay else None
 
     def before_pre_d(self, rank: int, round: int, timeout_s: float) -> None:
         if self.stall == (rank, round):
@@ -71,23 +77,42 @@ class ScriptedFaults(FaultHooks):
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} before "
                                f"its collective {index}")
 
+    def device_work(self, rank: int, epoch: int, event):
+        if self.device_delay is None or self.device_delay[0] != epoch:
+            return event
+        return LateDevice(event, self.device_delay[1])
+
     def preparing_batch(self, rank: int, epoch: int) -> None:
         if epoch == self.fail_epoch and rank == self.fail_rank:
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} while it "
                                f"prepares its batch")
 
 
+class LateDevice:
+    """An epoch's device work that completes `delay_s` from now, and not before the lane's own
+    event (if any) does."""
+
+    def __init__(self, event, delay_s: float) -> None:
+        self.event = event
+        self.done_at = time.monotonic() + delay_s
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.done_at and (self.event is None or self.event.query())
+
+
 class FaultInjection:
     """Mixed into the engine's worker class by vLLM (`worker_extension_cls`)."""
 
     def inject_p_faults(self, stall: str = "", fail_epoch: str = "",
-                        slow_boundary_s: float = 0.0, fail_at: str = "") -> dict | None:
+                        slow_boundary_s: float = 0.0, fail_at: str = "",
+                        device_delay: str = "") -> dict | None:
         """Install the faults in this rank's lane; returns {"rank": its world rank}, or None
         where the engine runs no lane (a dict, as `/collective_rpc` returns it unchanged)."""
         lane = self.p_lane  # `self` is the AInferPDWorker this class is mixed into
         if lane is None:
             return None
-        lane.install_faults(ScriptedFaults(stall, fail_epoch, slow_boundary_s, fail_at))
+        lane.install_faults(ScriptedFaults(stall, fail_epoch, slow_boundary_s, fail_at,
+                                           device_delay))
         return {"rank": lane.rank}
 
 

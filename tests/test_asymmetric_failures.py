@@ -23,12 +23,18 @@ LANE = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "fixed", "p_hos
                       "timeout_s": 60.0}}
 
 
+DELAY_S = 3.0
+
+
 @pytest.mark.parametrize("fail_at", ["0@1:b3", "0@1:c5"])
 def test_tp2_one_rank_fails_while_the_other_goes_on(tiny_model, tmp_path, fail_at):
     """`b3`: rank 1's P fails before it publishes boundary 3 (between two segments); `c5`: before
     its sixth collective, inside a segment whose earlier collectives it already issued. Without
     the replay rank 0's P waits in an all-reduce rank 1 never issues, and the engine ends at the
-    lane's timeout; with it both ranks' logs are one sequence."""
+    lane's timeout; with it both ranks' logs are one sequence. With `b3` the failed epoch's
+    device work also completes only `DELAY_S` after its last kernel (a slow device): its jobs,
+    and so their KV blocks, must stay held until then (reported at once, vLLM would hand the
+    blocks to new requests while P may still write them)."""
     waves = parity_waves(vocab_size=512, seed=3)
     prompts = [p for wave in waves for p in wave]
     after = parity_waves(vocab_size=512, seed=4)
@@ -40,8 +46,9 @@ def test_tp2_one_rank_fails_while_the_other_goes_on(tiny_model, tmp_path, fail_a
         with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=LANE,
                          worker_extension_cls=EXTENSION) as ours:
             llm = ours.llm
-            assert llm.collective_rpc("inject_p_faults", kwargs={"fail_at": fail_at}) == \
-                [{"rank": 0}, {"rank": 1}]
+            delay = f"0:{DELAY_S}" if fail_at.endswith("b3") else ""
+            assert llm.collective_rpc("inject_p_faults", kwargs={
+                "fail_at": fail_at, "device_delay": delay}) == [{"rank": 0}, {"rank": 1}]
             llm.collective_rpc("start_collective_log", args=(prefix,))
             ours_out = run_waves(ours, waves, MAX_TOKENS)
             failed = [s["p_lane"] for s in ours.worker_status()]
@@ -54,6 +61,11 @@ def test_tp2_one_rank_fails_while_the_other_goes_on(tiny_model, tmp_path, fail_a
     assert report.fail == 0 and report_after.fail == 0, (report, report_after)
     # Epoch 0's jobs failed on both TP ranks (they share its KV), and later epochs completed.
     assert failed[0]["jobs_failed"] == failed[1]["jobs_failed"] > 0, failed
+    if fail_at.endswith("b3"):
+        # The failed jobs were held until the late device work was done: the delay runs from
+        # P's last kernel, a little before the epoch closed, and reported at once they would
+        # show ~0 s.
+        assert all(DELAY_S - 0.5 < f["p_drain_s"] < DELAY_S + 5 for f in failed), failed
     assert lanes[0]["epochs"] == lanes[1]["epochs"] > failed[0]["epochs"], lanes
     assert lanes[0]["jobs_done"] > failed[0]["jobs_done"] and lanes[0]["inflight"] == 0, lanes
     assert all_freed  # no request, and so no P reservation, holds a KV block

@@ -55,6 +55,8 @@ COUNTERS = {
                           "normal-mode dispatches (docs/deepep.md)."),
     "phase_ep_rebuilds": ("vllm_ainfer_pd_phase_ep_rebuilds", "Rebuilds of P's own "
                           "expert-parallel state after a failed epoch that used it."),
+    "p_drain_s": ("vllm_ainfer_pd_p_drain_seconds", "Time closed P epochs waited for their "
+                  "device work before their jobs (and KV blocks) were handed back."),
     "gate_waits": ("vllm_ainfer_pd_gate_waits", "DP rounds with lane work queued in which the "
                    "epoch gate kept the epoch closed."),
     "epoch_max_rank_tokens": ("vllm_ainfer_pd_epoch_max_rank_tokens", "Over DP epochs: the "

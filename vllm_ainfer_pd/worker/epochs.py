@@ -44,7 +44,7 @@ class Epoch:
     replay_from: int = -1
     skip: int = 0
     stood_in: int = 0  # collectives the replay stands in for (0: it failed before any)
-    drain_deadline: float = 0.0  # a closed epoch's device work must have drained by then
+    closed_at: float = 0.0  # when its host work ended (`Epochs.close`)
     failed: bool = False
 
 
@@ -132,7 +132,7 @@ class Epochs:
         """The open epoch, no longer open (its host work is over: `fail` or `finish` it)."""
         epoch, self.current = self.current, None
         assert epoch is not None
-        epoch.drain_deadline = time.monotonic() + self.timeout_s
+        epoch.closed_at = time.monotonic()
         return epoch
 
     def fail(self, epoch: Epoch) -> None:
@@ -155,14 +155,16 @@ class Epochs:
         """Report the jobs of epochs whose device work completed (at once on CPU)."""
         still = []
         for epoch in self.finishing:
+            now = time.monotonic()
             if epoch.event is not None and not epoch.event.query():
-                if time.monotonic() > epoch.drain_deadline:
+                if now > epoch.closed_at + self.timeout_s:
                     raise DrainTimeout(
                         "P's device work did not complete", rank=self.rank, epoch=epoch.id,
                         detail=f"waited {self.timeout_s:.3g} s after the epoch ended; its "
                                f"{len(epoch.jobs)} jobs keep their KV blocks")
                 still.append(epoch)
                 continue
+            self.stats.p_drain_s += now - epoch.closed_at
             if epoch.failed:
                 self.reports.extend((job, True) for job in epoch.jobs)
                 self.stats.jobs_failed += len(epoch.jobs)

@@ -7,6 +7,8 @@ worker extension and `collective_rpc`). Every method's default does nothing.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FaultHooks:
     """Called at fixed points of the lane, with the world rank; raising is the fault."""
@@ -28,3 +30,11 @@ class FaultHooks:
     def preparing_batch(self, rank: int, epoch: int) -> None:
         """P thread, while P prepares `epoch`'s batch. Raising fails this rank's jobs; at DP > 1
         the rank still runs the dummy tokens it announced, so its peers' collectives complete."""
+
+    def device_work(self, rank: int, epoch: int, event: Any) -> Any:
+        """P thread, once P's last kernels of `epoch` are queued, on every exit path: what stands
+        for the epoch's device work, which the lane polls (`query()`) before it reports the
+        epoch's jobs and vLLM frees their KV blocks. `event` is the lane's own (a CUDA event;
+        None on CPU, where the work is done); returning one that completes later acts as a slow
+        device."""
+        return event

@@ -32,6 +32,9 @@ class LaneStats:
     # dispatches. Updated when an epoch ends.
     p_collectives_own: int = 0
     phase_ep_rebuilds: int = 0  # P's own state rebuilt after a failed epoch that used it
+    # Closed epochs' wait, from the end of their host work until their device work drained and
+    # their jobs were reported (their KV blocks handed back): on CPU 0 but for a test's delay.
+    p_drain_s: float = 0.0
     # DP > 1, the epoch gate (round_plan.EpochGate): rounds with lane work queued on some rank in
     # which the gate kept the epoch closed; over the epochs opened, the sum of the fullest
     # rank's tokens and of all ranks' tokens (rank utilisation = all / (DP x fullest)).

@@ -100,6 +100,8 @@ class PThread:
                     if self.p_stream is not None:
                         epoch.event = torch.cuda.Event()
                         epoch.event.record(self.p_stream)
+                    if self.faults is not None:
+                        epoch.event = self.faults.device_work(self.rank, epoch.id, epoch.event)
                 if self.overlap is not None:
                     self.overlap.end("p")
             self._count_enqueue(epoch)
