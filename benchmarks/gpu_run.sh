@@ -43,7 +43,8 @@
 #              ATTN_EAGER=1: both engines --enforce-eager (a quicker pass, ~1 min per backend
 #              instead of ~3.5)
 #   attn1mla   the same on MLA (the tiny-mla preset, generated here): FLASH_ATTN_MLA, FLASHMLA,
-#              FLASHINFER_MLA, TRITON_MLA (or $ATTN_BACKENDS)
+#              TRITON_MLA (or $ATTN_BACKENDS; FLASHINFER_MLA runs on compute capability 10.x
+#              only in vLLM 0.26, so not on Hopper)
 #   tp2        TP=2, P lane on, model $TP2_MODEL (default .gpu/tiny), extra flags $TP2_FLAGS
 #   dp2        DP=2 + EP (vllm serve), P lane on, model $DP2_MODEL (default .gpu/tiny), $DP2_FLAGS
 #   dp2mla     DP=2 + EP (vllm serve), P lane on, the tiny-mla preset, VLLM_BATCH_INVARIANT=1
@@ -255,7 +256,7 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
     tp1eager) parity tp1_bfloat16_eager 0 --model .gpu/tiny --tp 1 --dtype bfloat16 --additional-config "$LANE" --enforce-eager ;;
     attn1|attn1mla)
       if [[ $job == attn1 ]]; then list=${ATTN_BACKENDS:-FLASH_ATTN,FLASHINFER,TRITON_ATTN,FLEX_ATTENTION}
-      else tiny_mla; list=${ATTN_BACKENDS:-FLASH_ATTN_MLA,FLASHMLA,FLASHINFER_MLA,TRITON_MLA}; fi
+      else tiny_mla; list=${ATTN_BACKENDS:-FLASH_ATTN_MLA,FLASHMLA,TRITON_MLA}; fi
       eager=(); sfx=
       [[ ${ATTN_EAGER:-0} == 1 ]] && { eager=(--enforce-eager); sfx=_eager; }
       for be in ${list//,/ }; do

@@ -25,13 +25,14 @@ from vllm_ainfer_pd.config import ConfigError
 LANE_BACKENDS: dict[str, str] = {
     "CPU_ATTN": "measured: parity on the CPU (make test)",
     "FLASH_ATTN": "measured: parity on 1 and 2 x H200 (vLLM's default on Hopper)",
-    "FLASHINFER": "to be measured on H200 (gpu_run.sh attn1)",
-    "TRITON_ATTN": "to be measured on H200 (gpu_run.sh attn1)",
+    "FLASHINFER": "measured: parity on 1 x H200, eager (gpu_run.sh attn1)",
+    "TRITON_ATTN": "measured: parity on 1 x H200, eager (gpu_run.sh attn1)",
     "FLEX_ATTENTION": "to be measured on H200 (gpu_run.sh attn1)",
     "FLASH_ATTN_MLA": "to be measured on H200 by name (gpu_run.sh attn1mla); the earlier MLA "
                       "parity runs took vLLM's automatic choice, not recorded",
     "FLASHMLA": "to be measured on H200 (gpu_run.sh attn1mla)",
-    "FLASHINFER_MLA": "to be measured on H200 (gpu_run.sh attn1mla)",
+    "FLASHINFER_MLA": "not measured: vLLM 0.26 runs it on compute capability 10.x (Blackwell) "
+                      "only, not on Hopper",
     "TRITON_MLA": "to be measured on H200 (gpu_run.sh attn1mla)",
 }
 
