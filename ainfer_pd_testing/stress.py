@@ -18,6 +18,8 @@ still incomplete, as the paper's delayed-P control does: the turnstile orders en
 fence completion (except in `global-complete` mode, where the count must be zero).
 
     python -m ainfer_pd_testing.stress --ranks 4 --cycles 2560 --max-skew-ms 20 --seeds 5
+    python -m ainfer_pd_testing.stress --ranks 8 --cycles 10000 --max-skew-ms 50 \
+        --skew-share 0.02 --seeds 10 --json benchmarks/results/cpu/turnstile_stress_8_ranks.json
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class StressConfig:
     p_work_ms: float = 0.0  # mean emulated device time per P op; 0: 2 x max(max skew, 0.5 ms)
     timeout_s: float = 60.0
     progress_every: int = 0  # cycles between progress lines from rank 0; 0: none
+    # The share of injection points that get a delay (uniform up to max_skew_ms); the rest get
+    # none. Below 1, long runs keep delays of the full range while most rounds run at speed.
+    skew_share: float = 1.0
 
 
 class EmulatedPStream:
@@ -109,6 +114,11 @@ def _run_seed(rank: int, world: int, seed: int, cfg: StressConfig, rdv: Any) -> 
     plan = make_plan(seed, cfg.cycles, world, policy, mode)
     rng = random.Random(f"{seed}/{rank}/d")
     skew = cfg.max_skew_ms / 1000.0
+
+    def delay(r: random.Random) -> float:
+        if cfg.skew_share < 1.0 and r.random() >= cfg.skew_share:
+            return 0.0
+        return r.uniform(0, skew)
     p_work = (cfg.p_work_ms / 1000.0) if cfg.p_work_ms > 0 else 2 * max(skew, 5e-4)
     stream = EmulatedPStream()
     ts = Turnstile(SegmentController(rank, timeout_s=cfg.timeout_s), rdv, policy, mode,
@@ -125,7 +135,7 @@ def _run_seed(rank: int, world: int, seed: int, cfg: StressConfig, rdv: Any) -> 
         try:
             ctrl.attach(ep.epoch, "stress-P")
             for i in range(ep.boundaries):
-                pause(prng.uniform(0, skew))  # skew before the boundary
+                pause(delay(prng))  # skew before the boundary
                 ctrl.reach(ep.epoch, i)
                 with lock:
                     now = time.monotonic()
@@ -152,15 +162,15 @@ def _run_seed(rank: int, world: int, seed: int, cfg: StressConfig, rdv: Any) -> 
     start = time.monotonic()
     for j in range(plan.cycles):
         open_epoch(plan.opening(j, d_enqueued=False), None)
-        pause(rng.uniform(0, skew))  # skew before the pre-D phase
+        pause(delay(rng))  # skew before the pre-D phase
         t_pre_in.append(time.monotonic())
         rec = ts.pre_d()
         records.append((rec.epoch, rec.reached, rec.permit, rec.state.value))
-        pause(rng.uniform(0, skew))  # skew before the D enqueue
+        pause(delay(rng))  # skew before the D enqueue
         with lock:
             t_d.append(time.monotonic())
             log.append(("D", j))
-        pause(rng.uniform(0, skew))  # skew before the P release
+        pause(delay(rng))  # skew before the P release
         ts.post_d(plan.loads[j])
         now = time.monotonic()
         t_post_out.append(now)
@@ -235,7 +245,7 @@ def run(world: int, seeds: list[int], cfg: StressConfig, *, log: Any = print) ->
     """Run and check the seeds one launch of rank processes each (so an interrupted long run
     keeps the verdicts of its finished seeds); return the checked summary."""
     log(f"[stress] ranks={world} seeds={seeds} {asdict(cfg)}")
-    budget = cfg.timeout_s + cfg.cycles * (4 * cfg.max_skew_ms / 1000 + 0.05)
+    budget = cfg.timeout_s + cfg.cycles * (4 * cfg.skew_share * cfg.max_skew_ms / 1000 + 0.05)
     policy = make_policy(cfg.policy, k=cfg.span)
     rows = []
     for seed in seeds:
@@ -265,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--cycles", type=int, default=StressConfig.cycles, help="per seed")
     ap.add_argument("--max-skew-ms", type=float, default=StressConfig.max_skew_ms)
+    ap.add_argument("--skew-share", type=float, default=StressConfig.skew_share,
+                    help="share of injection points delayed (uniform up to --max-skew-ms)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rendezvous", choices=("shm", "gloo"), default=StressConfig.rendezvous)
@@ -276,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
     every = args.progress_every if args.progress_every is not None else max(args.cycles // 8, 1)
+    if not 0.0 < args.skew_share <= 1.0:
+        ap.error(f"--skew-share must be in (0, 1], got {args.skew_share!r}")
     cfg = StressConfig(args.cycles, args.max_skew_ms, args.rendezvous, args.mode, args.policy,
-                       args.span, progress_every=every)
+                       args.span, progress_every=every, skew_share=args.skew_share)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     summary = run(args.ranks, seeds, cfg)
     if args.json:

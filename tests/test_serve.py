@@ -324,6 +324,7 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     # collectives rank 0's experts computed with, so rank 0's jobs of that epoch fail too
     # (kept, their KV would differ from stock's: seen as 2 of 16 prompts off stock's tokens).
     m = int(later[0])
+    rebuilds = [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks]
     assert faults.inject_over_http(srv.url, fail_at=f"{m}@1:c3") == [{"rank": 0}]
     waves = parity_waves(vocab_size=512, seed=2)
     prompts = [p for wave in waves for p in wave]
@@ -337,6 +338,11 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     assert f"P epoch {m} on rank 0 failed: \"a peer's P failed" in log, log[-4000:]
     ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
     assert [r.get("vllm_ainfer_pd_epochs_total", 0) > m + 1 for r in ranks] == [True, True]
+    # DP + EP: P's MoE collectives ran on P's own communicators; the failed epoch had issued
+    # some, so every rank rebuilt them once, in the same round.
+    after = [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks]
+    assert after[0] == after[1] == rebuilds[0] + 1 and rebuilds[0] == rebuilds[1], \
+        (rebuilds, after)
     assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
     logs = [[" ".join(e.split()[:3]) for e in rank] for rank in read_logs(prefix, 2)]
     assert any(e.startswith("P dispatch") for e in logs[0]), logs[0][:40]
