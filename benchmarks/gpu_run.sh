@@ -90,12 +90,15 @@
 #   bench4     4 GPUs: TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
-#              stock, normal, pd, pd_genq, pd_whole, pd_work and stock with vLLM's prefill cadence
+#              stock, normal, pd, pd_genq, pd_whole, pd_work, pd_gate (the epoch gate on) and stock with vLLM's prefill cadence
 #              (stock_c4, stock_c8, stock_c16, stock_c32: --prefill-schedule-interval N); output
 #              bench2dp_$BENCH2DP_TAG (default a)
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
+#   bench1marks TP=1 rollout, stock, pd and pd_layer (p_stream_marks="layer": a timing event on
+#              P's stream after every layer), $BENCH1X_REPS repetitions each (default 3); output
+#              bench1marks_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
 #   bench1eagle TP=1 rollout, stock and pd, both with a random EAGLE head for the gpu preset (made on
 #              the machine; every draft is rejected, in both): TPOT with drafting inside the round;
 #              output bench1eagle_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
@@ -166,6 +169,11 @@ V_PD_HANDOFF='pd_handoff={"ainfer_pd": {"segment_policy": "load", "overlap_timin
 V_GENQ='pd_genq={"ainfer_pd": {"ordering": "global-enqueue", "overlap_timing": true}}'
 # Fine ordering, one segment per epoch (K past the last boundary): TTFT against D's protection.
 V_PD_WHOLE='pd_whole={"ainfer_pd": {"segment_policy": "fixed", "segment_span": 64, "overlap_timing": true}}'
+# A timing event on P's stream after every layer (p_stream_marks="layer"): how the device
+# interleaves D's kernels with P's.
+V_PD_LAYER='pd_layer={"ainfer_pd": {"p_stream_marks": "layer", "overlap_timing": true}}'
+# The epoch gate at DP > 1 (epoch_gate_fill / epoch_gate_rounds; every prompt through the lane).
+V_PD_GATE='pd_gate={"ainfer_pd": {"epoch_gate_fill": 0.8, "epoch_gate_rounds": 96, "p_lane_min_tokens": 2, "overlap_timing": true}}'
 V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
 TP2_COMPILE='--serve-arg=--compilation-config={"pass_config":{"fuse_allreduce_rms":false}}'
 
@@ -352,7 +360,9 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
     bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
                --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
-               --variant "$V_PD_DHIGH" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+               --variant "$V_PD_DHIGH" --variant "$V_PD_LAYER" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+    bench1marks) compare bench1marks_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_LAYER" \
+                   --reps ${BENCH1X_REPS:-3} --only ${BENCH1X_ONLY:-stock,pd,pd_layer} ;;
     bench1eagle) python3 -m vllm_ainfer_pd.models --preset gpu --eagle --out /tmp/gpu-eagle \
                    > /tmp/gpu-logs/gpu-eagle.log 2>&1 || { echo "== no EAGLE drafter"; continue; }
                  compare bench1eagle_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --only stock,pd \
@@ -394,7 +404,7 @@ for i in range(64):
               --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
     bench2dp) compare bench2dp_${BENCH2DP_TAG:-a} 0,1 --dp 2 --enable-expert-parallel \
                 --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" --variant "$V_PD_WHOLE" \
-                --variant "$V_PD_WORK" --backend stock_c4='--prefill-schedule-interval 4' \
+                --variant "$V_PD_WORK" --variant "$V_PD_GATE" --backend stock_c4='--prefill-schedule-interval 4' \
                 --backend stock_c8='--prefill-schedule-interval 8' \
                 --backend stock_c16='--prefill-schedule-interval 16' \
                 --backend stock_c32='--prefill-schedule-interval 32' \

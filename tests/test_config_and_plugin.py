@@ -47,6 +47,14 @@ def test_d_stream_priority_is_default_or_high():
         AInferPDConfig.from_dict({"d_stream_priority": "urgent"})
 
 
+def test_p_stream_marks_is_segment_or_layer():
+    assert AInferPDConfig.from_dict(None).p_stream_marks == "segment"
+    assert AInferPDConfig.from_dict({"p_stream_marks": "layer"}).p_stream_marks == "layer"
+    with pytest.raises(ConfigError, match=r"ainfer_pd.p_stream_marks='kernel' is not one of "
+                                          r"segment, layer"):
+        AInferPDConfig.from_dict({"p_stream_marks": "kernel"})
+
+
 def test_unknown_option_is_named():
     with pytest.raises(ConfigError, match=r"unknown ainfer_pd option\(s\) 'segment_spam'"):
         AInferPDConfig.from_dict({"segment_spam": 2})

@@ -14,7 +14,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 HEADER = "| option | values (default) | meaning |"
 CHOICES = {"mode": config.MODES, "ordering": config.ORDERINGS,
            "segment_policy": config.SEGMENT_POLICIES, "rendezvous": config.RENDEZVOUS,
-           "p_host": config.P_HOSTS, "d_stream_priority": config.D_STREAM_PRIORITIES}
+           "p_host": config.P_HOSTS, "d_stream_priority": config.D_STREAM_PRIORITIES,
+           "p_stream_marks": config.P_STREAM_MARKS}
 
 
 def options_table(text: str) -> dict[str, tuple[str, str]]:

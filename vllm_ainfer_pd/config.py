@@ -16,6 +16,7 @@ SEGMENT_POLICIES = ("fixed", "load", "work")
 RENDEZVOUS = ("auto", "shm", "gloo")
 P_HOSTS = ("auto", "concurrent", "handoff")
 D_STREAM_PRIORITIES = ("default", "high")
+P_STREAM_MARKS = ("segment", "layer")
 
 
 CONFIG_KEY = "ainfer_pd"  # the plugin's key in vLLM's additional_config
@@ -70,6 +71,11 @@ class AInferPDConfig:
     # leaves both streams equal (stock vLLM's stream). Not the default: on 1 x H200 `high` gained
     # nothing beyond run-to-run spread (benchmarks/RESULTS.md).
     d_stream_priority: str = "default"
+    # GPU only: how P's kernels are issued on P's stream. `segment`: a released segment's layers
+    # back to back. `layer`: a timing event recorded on P's stream after every layer (at each
+    # attention boundary). On an H200 that event pattern decides how much D's kernels run between
+    # P's (benchmarks/RESULTS.md measures both in the lane).
+    p_stream_marks: str = "segment"
     # Phase-owned DeepEP (docs/deepep.md): the SMs P's normal-mode dispatch and combine kernels
     # take (DeepEP runs one channel per two SMs, so it must be even). Low, so that D's
     # low-latency kernels, launched beside them, still find SMs: 24 of an H200's 132. Checked
@@ -101,6 +107,7 @@ class AInferPDConfig:
             ("rendezvous", RENDEZVOUS),
             ("p_host", P_HOSTS),
             ("d_stream_priority", D_STREAM_PRIORITIES),
+            ("p_stream_marks", P_STREAM_MARKS),
         ):
             value = getattr(self, name)
             if value not in choices:

@@ -96,7 +96,8 @@ class PLane(LaneRound):
                         else None)
         self.controller = SegmentController(rank=rank, span=config.segment_span,
                                             timeout_s=config.timeout_s)
-        self.p_thread = PThread(runner, self.controller, self.stats, rank, self.overlap)
+        self.p_thread = PThread(runner, self.controller, self.stats, rank, self.overlap,
+                                mark_layers=config.p_stream_marks == "layer")
         # P's own expert-parallel state (docs/deepep.md): its collectives stay on P's stream; a
         # failed epoch that used it has every rank rebuild it before the next epoch.
         self.phase_ep = self.p_thread.phase_ep = phase_ep

@@ -40,7 +40,7 @@ class PThread:
     """Runs epochs' forwards for one rank's lane; one epoch at a time, each on a new thread."""
 
     def __init__(self, runner: Any, controller: SegmentController, stats: LaneStats, rank: int,
-                 overlap: OverlapMeter | None = None) -> None:
+                 overlap: OverlapMeter | None = None, mark_layers: bool = False) -> None:
         self.device = runner.device
         self.vllm_config = runner.vllm_config
         self.model = runner.get_model()
@@ -68,6 +68,8 @@ class PThread:
         self.p_workspace = (workspace.WorkspaceManager(self.device)
                             if workspace.is_workspace_manager_initialized() else None)
         self._threads = torch.get_num_threads()
+        # `p_stream_marks="layer"`: a timing event on P's stream after every layer (config.py).
+        self.mark_layers = mark_layers and self.p_stream is not None
 
     def start(self, epoch: Epoch) -> None:
         """Run `epoch` on a new thread, ordered after all of D's work so far."""
@@ -133,6 +135,8 @@ class PThread:
         the boundaries it published before it failed."""
         if boundary <= epoch.replay_from:
             return
+        if self.mark_layers:
+            torch.cuda.Event(enable_timing=True).record(self.p_stream)
         if self.faults is not None and epoch.error is None:
             self.faults.at_boundary(self.rank, epoch.id, boundary)
         epoch.reached = boundary
