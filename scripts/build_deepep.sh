@@ -2,19 +2,22 @@
 # Builds and installs DeepEP from a source checkout you point it at, for the phase-owned DeepEP
 # pair (docs/deepep.md), into the Python that runs vLLM:
 #   DEEPEP_SRC=/path/to/DeepEP bash scripts/build_deepep.sh
-# The DeepEP to build is the commit vLLM 0.26's own installer pins
-# (tools/ep_kernels/install_python_libraries.sh in vLLM's source distribution): d4f41e4e93
-# (DeepEP 2.0.0, whose `deep_ep.Buffer` is the 1.x API plus `enable_shrink`, which vLLM 0.26's
-# deepep_low_latency manager passes; DeepEP v1.2.1 has no such parameter and fails there):
+# The DeepEP to build by default is 29d31c0, DeepEP's last 1.x commit: its `deep_ep.Buffer` has
+# `enable_shrink`, which vLLM 0.26's deepep_low_latency manager passes (DeepEP v1.2.1 has no such
+# parameter and fails there), and it builds against the NCCL torch 2.11 brings (2.28.9):
 #   git clone https://github.com/deepseek-ai/DeepEP && cd DeepEP
-#   git checkout d4f41e4e93602a15e95f55f6ee8df8f1aaa0e4bb && git submodule update --init
+#   git checkout 29d31c095796f3c8ece47ee9cdcc167051bbeed9
+# The commit vLLM 0.26's own installer pins (tools/ep_kernels/install_python_libraries.sh in
+# vLLM's source distribution), d4f41e4e93 (DeepEP 2.0.0: the same 1.x `Buffer` plus DeepEP V2),
+# also works where NCCL >= 2.30.4 is installed (below): DEEPEP_COMMIT=d4f41e4e93, with
+# `git submodule update --init` (it needs third-party/fmt).
 # A copy without git metadata names its commit in a file `.deepep-commit` at its top.
 # Options (environment): PYTHON (default: python3 on PATH), CUDA_HOME (default /usr/local/cuda),
 # NVSHMEM_DIR (default: the pip package nvidia-nvshmem-cu13, which torch's CUDA 13 wheels bring;
 # installed with pip if missing), NCCL_DIR (DeepEP 2.x; default: the pip package
 # nvidia-nccl-cu13), TORCH_CUDA_ARCH_LIST (default 9.0: Hopper), MAX_JOBS, DEEPEP_INSTALL=0 (build
 # the wheel only; its path is the last line), DEEPEP_COMMIT (the commit the checkout must be at;
-# default the pin above; `any`: build whatever it is), DEEPEP_CHECK_ONLY=1 (the checks, no build).
+# default 29d31c0, above; `any`: build whatever it is), DEEPEP_CHECK_ONLY=1 (the checks, no build).
 # DeepEP 2.x also needs NCCL >= 2.30.4 when it is built and wherever it is imported (its NCCL
 # backend; `import deep_ep` checks that the process loaded the NCCL it was linked with), while
 # torch 2.11's wheels bring NCCL 2.28.9: install `nvidia-nccl-cu13>=2.30.4` into $PYTHON (pip
@@ -26,9 +29,10 @@
 # versions of DeepEP, NVSHMEM and NCCL) to $DEEPEP_BUILD_DIR/build_info.json. Its last line is the
 # installed deep_ep's path.
 set -euo pipefail
-PIN=d4f41e4e93602a15e95f55f6ee8df8f1aaa0e4bb
-: "${DEEPEP_SRC:?set DEEPEP_SRC to a DeepEP source checkout (commit ${PIN:0:10})}"
-want=${DEEPEP_COMMIT:-$PIN}
+DEFAULT_COMMIT=29d31c095796f3c8ece47ee9cdcc167051bbeed9
+PIN=d4f41e4e93602a15e95f55f6ee8df8f1aaa0e4bb  # vLLM 0.26's pin, recorded in build_info.json
+: "${DEEPEP_SRC:?set DEEPEP_SRC to a DeepEP source checkout (commit ${DEFAULT_COMMIT:0:7})}"
+want=${DEEPEP_COMMIT:-$DEFAULT_COMMIT}
 py=${PYTHON:-python3}
 cuda=${CUDA_HOME:-/usr/local/cuda}
 build=${DEEPEP_BUILD_DIR:-$HOME/.cache/vllm-ainfer-pd/deepep-build}
@@ -44,7 +48,7 @@ elif [[ -f $src/.deepep-commit ]]; then
   commit=$(tr -d '[:space:]' < "$src/.deepep-commit")
 fi
 if [[ $want != any && $commit != "$want"* && $want != "$commit"* ]]; then
-  echo "warning: DEEPEP_SRC is at commit $commit, not ${want:0:10} (vLLM 0.26's pin); building" \
+  echo "warning: DEEPEP_SRC is at commit $commit, not ${want:0:10}; building" \
        "it anyway (DEEPEP_COMMIT=any silences this)" >&2
 fi
 

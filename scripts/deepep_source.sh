@@ -3,8 +3,9 @@
 # for scripts/build_deepep.sh where there is no network (e.g. .gpu/deepep-src, carried to a GPU
 # machine):
 #   bash scripts/deepep_source.sh DEEPEP_GIT_DIR OUT [COMMIT] [FMT_GIT_DIR]
-# DEEPEP_GIT_DIR: a clone or mirror of github.com/deepseek-ai/DeepEP. COMMIT: default vLLM 0.26's
-# pin, d4f41e4e93 (29d31c0 is the last 1.x commit, with enable_shrink and no NCCL backend).
+# DEEPEP_GIT_DIR: a clone or mirror of github.com/deepseek-ai/DeepEP. COMMIT: default 29d31c0 (the
+# last 1.x commit, with enable_shrink and no NCCL backend: build_deepep.sh's default); vLLM 0.26's
+# pin is d4f41e4e93 (needs NCCL >= 2.30.4).
 # FMT_GIT_DIR: a clone or mirror of github.com/fmtlib/fmt, for a commit that has the submodule
 # (DeepEP 2.x); the submodule's commit is read from DeepEP's tree. OUT gets a file
 # `.deepep-commit` naming the commit, which build_deepep.sh reads; the README's figures are left
@@ -12,7 +13,7 @@
 set -euo pipefail
 git_dir=${1:?usage: deepep_source.sh DEEPEP_GIT_DIR OUT [COMMIT] [FMT_GIT_DIR]}
 out=${2:?usage: deepep_source.sh DEEPEP_GIT_DIR OUT [COMMIT] [FMT_GIT_DIR]}
-commit=${3:-d4f41e4e93602a15e95f55f6ee8df8f1aaa0e4bb}
+commit=${3:-29d31c095796f3c8ece47ee9cdcc167051bbeed9}
 fmt=${4:-}
 full=$(git -C "$git_dir" rev-parse --verify "$commit^{commit}")
 rm -rf "$out"

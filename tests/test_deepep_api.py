@@ -149,7 +149,7 @@ def test_a_deep_ep_without_enable_shrink_stops_selection_naming_the_parameter_an
         f"deep_ep at {deep_ep.__file__} (DeepEP 1.2.1) has no parameter enable_shrink in "
         f"Buffer.__init__, which vLLM 0.26's deepep_low_latency manager (DeepEPLLAll2AllManager) "
         f"passes; build {BUILD_HINT}")
-    assert "d4f41e4e93" in str(err.value) and "\n" not in str(err.value)
+    assert "29d31c0" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_deep_ep_vllm_pins_passes_selection(install_deep_ep):

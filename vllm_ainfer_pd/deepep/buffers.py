@@ -39,11 +39,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# The DeepEP commit vLLM 0.26's own installer pins (tools/ep_kernels/install_python_libraries.sh),
-# which scripts/build_deepep.sh builds by default.
-DEEPEP_PIN = "d4f41e4e93"
+# The DeepEP scripts/build_deepep.sh builds by default: the last 1.x commit, which has the
+# `enable_shrink` vLLM 0.26 passes and builds against torch 2.11's NCCL. vLLM 0.26's own pin
+# (tools/ep_kernels/install_python_libraries.sh) has the same `Buffer` but needs NCCL >= 2.30.4.
+DEEPEP_DEFAULT = "29d31c0"
+DEEPEP_VLLM_PIN = "d4f41e4e93"
 BUILD_HINT = (f"DEEPEP_SRC=/path/to/DeepEP bash scripts/build_deepep.sh (DeepEP commit "
-              f"{DEEPEP_PIN}, vLLM 0.26's pin, built for this torch)")
+              f"{DEEPEP_DEFAULT}, built for this torch; or vLLM 0.26's pin {DEEPEP_VLLM_PIN} "
+              f"with NCCL >= 2.30.4)")
 NUM_MAX_NVL_PEERS = 8  # DeepEP's ranks per NVLink domain; more ranks are internode
 MIB = 1 << 20
 
