@@ -125,6 +125,27 @@ def test_without_the_plugin_vllm_fails_inside_vllm_config_with_the_unpack_error(
     assert "not enough values to unpack (expected 2, got 1)" in run.stderr, run.stderr[-3000:]
 
 
+@pytest.mark.engine
+def test_a_worker_start_refusal_reaches_the_caller_as_vllms_own_error(tiny_model, monkeypatch):
+    """vLLM's model runner refuses custom logits processors beside speculative decoding while a
+    worker starts; this backend's workers are processes of their own, where vLLM would report
+    only 'WorkerProc initialization failed'. The executor raises vLLM's ValueError first, before
+    any worker starts, as vLLM's in-process executor would (vLLM's own
+    test_rejects_custom_logitsprocs expects exactly this)."""
+    from vllm import LLM
+    from vllm.v1.sample.logits_processor import (
+        STR_SPEC_DEC_REJECTS_LOGITSPROCS,
+        MinTokensLogitsProcessor,
+    )
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # EngineCore in this process
+    with pytest.raises(ValueError, match=STR_SPEC_DEC_REJECTS_LOGITSPROCS):
+        LLM(model=tiny_model, distributed_executor_backend="ainfer_pd", enforce_eager=True,
+            dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 1,
+                                                 "prompt_lookup_max": 2},
+            logits_processors=[MinTokensLogitsProcessor])
+
+
 @pytest.fixture
 def vllm_config(tiny_model):
     from vllm.config import ModelConfig, VllmConfig

@@ -13,6 +13,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 from vllm_ainfer_pd import attention_backends
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
 from vllm_ainfer_pd.vllm_glue import check_vllm_shapes, check_vllm_version
+from vllm_ainfer_pd.vllm_glue.engine_config import raise_worker_start_errors
 
 WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
 SCHEDULER_CLS = "vllm_ainfer_pd.executor.scheduler.AInferPDScheduler"
@@ -83,6 +84,7 @@ class AInferPDExecutor(MultiprocExecutor):
 
     def _init_executor(self) -> None:
         self.ainfer_pd_config = self.validate(self.vllm_config)
+        raise_worker_start_errors(self.vllm_config)
         configure_p_lane(self.vllm_config, self.ainfer_pd_config)
         # These mutations are seen by EngineCore and the workers it spawns (the config is pickled
         # to them), not by the API server's copy.

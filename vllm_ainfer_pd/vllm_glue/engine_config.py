@@ -24,14 +24,36 @@ PATCHES = [
                 "data_parallel_rank", "enable_expert_parallel", "all2all_backend", "enable_eplb",
                 "decode_context_parallel_size", "prefill_context_parallel_size"), does="sets"),
     Patch("vllm.config:ModelConfig", "routed-expert capture (refused beside the lane's KV "
-          "connector by vLLM itself) is refused at validation",
-          uses=("enable_return_routed_experts",)),
+          "connector by vLLM itself) is refused at validation; custom logits processors meet "
+          "the model runner's own refusals before any worker starts",
+          uses=("enable_return_routed_experts", "logits_processors", "runner_type")),
     Patch("vllm.config:AttentionConfig", "an attention backend the user names is checked "
           "against the ones the lane serves (`attention_backends.py`)",
           uses=("backend", "backend_per_kind")),
     Patch("vllm.config:SpeculativeConfig", "a speculative drafter's attention backend is "
           "checked too", uses=("attention_backend",)),
+    Patch("vllm.v1.sample.logits_processor:STR_SPEC_DEC_REJECTS_LOGITSPROCS", "the message of "
+          "vLLM's refusal of custom logits processors beside speculative decoding"),
+    Patch("vllm.v1.sample.logits_processor:STR_POOLING_REJECTS_LOGITSPROCS", "the message of "
+          "vLLM's refusal of custom logits processors for pooling models"),
     Patch("vllm.config:KVTransferConfig", "the lane's connector settings",
           uses=("kv_connector", "kv_role", "kv_load_failure_policy",
                 "kv_connector_extra_config"), does="builds"),
 ]
+
+
+def raise_worker_start_errors(vllm_config) -> None:
+    """Raise, in the engine's own process, the errors vLLM's model runner raises while a worker
+    starts (`build_logitsprocs`: custom logits processors with speculative decoding or a pooling
+    model), with vLLM's exception type and message. This backend's workers are always processes
+    of their own, where vLLM reports any start failure as its generic 'WorkerProc initialization
+    failed'; raised here, the caller sees vLLM's ValueError, as with vLLM's in-process executor."""
+    from vllm.v1.sample import logits_processor
+
+    model = vllm_config.model_config
+    if not model.logits_processors:
+        return
+    if model.runner_type == "pooling":
+        raise ValueError(logits_processor.STR_POOLING_REJECTS_LOGITSPROCS)
+    if vllm_config.speculative_config is not None:
+        raise ValueError(logits_processor.STR_SPEC_DEC_REJECTS_LOGITSPROCS)
