@@ -41,7 +41,9 @@
 #              refuses the tiny model's head size 32). $OUT/attn_tp1_bfloat16_<model>_<BACKEND>.json
 #              each; a backend the lane refuses at start is recorded there as "refused" (rc=2).
 #              ATTN_EAGER=1: both engines --enforce-eager (a quicker pass, ~1 min per backend
-#              instead of ~3.5)
+#              instead of ~3.5); ATTN_BI=1: vLLM's batch-invariant kernels on both engines
+#              (VLLM_BATCH_INVARIANT=1; files ..._bi_...); ATTN_CONTROL=tail: stock against stock
+#              computing each prompt's last token in a later step, as the lane does (no lane)
 #   attn1mla   the same on MLA (the tiny-mla preset, generated here): FLASH_ATTN_MLA, FLASHMLA,
 #              TRITON_MLA (or $ATTN_BACKENDS; FLASHINFER_MLA runs on compute capability 10.x
 #              only in vLLM 0.26, so not on Hopper)
@@ -267,13 +269,15 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
       else tiny_mla; list=${ATTN_BACKENDS:-FLASH_ATTN_MLA,FLASHMLA,TRITON_MLA}; fi
       eager=(); sfx=
       [[ ${ATTN_EAGER:-0} == 1 ]] && { eager=(--enforce-eager); sfx=_eager; }
+      [[ ${ATTN_BI:-0} == 1 ]] && sfx=${sfx}_bi
+      control=(); [[ -n ${ATTN_CONTROL:-} ]] && { control=(--control $ATTN_CONTROL); sfx=${sfx}_${ATTN_CONTROL}control; }
       for be in ${list//,/ }; do
         if [[ $job == attn1mla ]]; then model=(--model /tmp/tiny-mla); tag=tiny_mla
         elif [[ $be == FLASHINFER ]]; then model=(--model .gpu/gpu-model --load-format dummy); tag=gpu
         else model=(--model .gpu/tiny); tag=tiny; fi
         n=attn_tp1_bfloat16${sfx}_${tag}_$be
-        parity $n 0 "${model[@]}" --tp 1 --dtype bfloat16 --additional-config "$LANE" \
-          --attention-backend $be "${eager[@]}"
+        VLLM_BATCH_INVARIANT=${ATTN_BI:-0} parity $n 0 "${model[@]}" --tp 1 --dtype bfloat16 \
+          --additional-config "$LANE" --attention-backend $be "${eager[@]}" "${control[@]}"
         grep -E "^(parity|refused):" /tmp/gpu-logs/$n.log | tail -1
         echo "   elapsed $(( $(date +%s) - start )) s"
       done ;;

@@ -79,6 +79,26 @@ MODULES = [
     "tests/entrypoints/generate/generative_scoring/test_generative_scoring_e2e.py",
     "tests/v1/logits_processors/test_custom_online.py",
     "tests/entrypoints/serve/instrumentator/test_metrics.py",
+    # vLLM's batch runner (`vllm run-batch`), the server's other endpoints and middleware, the
+    # collective RPC and weight-transfer APIs (RL frameworks' paths), long prompts in chunks, and
+    # engines that fail or shut down.
+    "tests/entrypoints/openai/test_run_batch.py",
+    "tests/entrypoints/serve/tokenize/test_tokenization.py",
+    "tests/entrypoints/serve/instrumentator/test_basic.py",
+    "tests/entrypoints/serve/instrumentator/test_orca_metrics.py",
+    "tests/entrypoints/serve/instrumentator/test_http_status_metrics.py",
+    "tests/entrypoints/serve/dev/rpc/test_collective_rpc.py",
+    "tests/entrypoints/weight_transfer/test_weight_transfer_llm.py",
+    "tests/entrypoints/openai/test_chunked_prompt.py",
+    "tests/entrypoints/openai/test_uds.py",
+    "tests/entrypoints/openai/test_async_tokenization.py",
+    "tests/entrypoints/openai/completion/test_token_in_token_out.py",
+    "tests/entrypoints/openai/chat_completion/test_root_path.py",
+    "tests/entrypoints/openai/test_render_token_offsets.py",
+    "tests/v1/engine/test_iteration_logging.py",
+    "tests/v1/engine/test_init_error_messaging.py",
+    "tests/v1/engine/test_fast_incdec_prefix_err.py",
+    "tests/v1/shutdown",
 ]
 
 # Tests of the chosen modules left out, with why (node ids or prefixes).
@@ -96,6 +116,12 @@ LEFT_OUT = {
     "tests/entrypoints/openai/completion/test_completion_error.py, chat_completion/"
     "test_chat_error.py, test_serving_chat.py, test_stop_token_ids.py":
         "a mocked engine or no engine: the backend is not involved",
+    "tests/entrypoints/serve/dev/test_sleep.py": "sleep mode needs CUDA's memory allocator "
+    "(vLLM has no sleep mode on the CPU); the backend's sleep and wake are covered on the H200",
+    "tests/entrypoints/serve/instrumentator/test_optional_middleware.py": "an embedding model "
+    "(pooling; no generation)",
+    "tests/entrypoints/openai/chat_completion/test_extra_content_fields.py": "a multimodal "
+    "model (translategemma)",
     "tests/v1/sample/test_sampler.py, test_topk_topp_sampler.py, test_rejection_sampler.py, "
     "test_batched_count_greater_than.py": "unit tests of sampler kernels: no engine is built, so "
     "the backend is not involved",
@@ -194,8 +220,12 @@ def module_of(nodeid: str) -> str:
 def markdown(summary: dict, meta: dict, title: str) -> str:
     lines = [f"# {title}", "",
              f"vLLM {meta['vllm_version']} (sdist sha256 `{meta['sdist_sha256'][:16]}...`), "
-             f"`python benchmarks/vllm_tests.py` on {meta['machine']}, {meta['date']}.", "",
-             "ours: `ainfer_pd` as executor backend of every engine, "
+             f"`python benchmarks/vllm_tests.py` on {meta['machine']}, {meta['date']}.", ""]
+    for merge in meta.get("merges", []):
+        modules = ", ".join(f"`{m}`" for m in merge["modules"])
+        lines += [f"Run again or added on {merge['date']}, in place of the first run's "
+                  f"(`--merge --modules ...`): {modules}.", ""]
+    lines += ["ours: `ainfer_pd` as executor backend of every engine, "
              f"`additional_config={{\"ainfer_pd\": {{\"p_lane_min_tokens\": "
              f"{hooks.P_LANE_MIN_TOKENS}}}}}`; both runs: the tiny model for every hub name, "
              "float32 or the test's dtype, `enforce_eager`, 1 GiB of KV cache on the CPU.", ""]
@@ -207,7 +237,8 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
               f"passes "
               f"{summary['ours_passed']} = {100 * (summary['pass_rate'] or 0):.1f}%**; "
               f"of these, {summary['ours_passed_with_lane_jobs']} ran P-lane jobs",
-              f"- wall time: stock {meta['wall_s'].get('stock', 0):.0f} s, ours "
+              f"- wall time (every run, merges included): stock "
+              f"{meta['wall_s'].get('stock', 0):.0f} s, ours "
               f"{meta['wall_s'].get('ours', 0):.0f} s", ""]
     lines += ["| module | tests | counted | ours pass (of counted) | lane jobs |",
               "|---|---|---|---|---|"]
@@ -245,7 +276,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=600, help="per test, seconds")
     parser.add_argument("--resume", action="store_true",
                         help="keep the modules an interrupted run finished (<logs>/<run>/*.done)")
+    parser.add_argument("--merge", action="store_true",
+                        help="run only --modules, in both runs, and put their results in place "
+                        "of those modules' in the stored results.json (the others' stay)")
     args = parser.parse_args()
+    if args.merge and (not args.modules or args.runs != "stock,ours" or args.broken):
+        parser.error("--merge needs --modules and both runs")
     tests = args.modules or MODULES
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -271,6 +307,8 @@ def main() -> None:
     runs = {mode: {} for mode in modes}
     engines: dict[str, Counter] = {mode: Counter() for mode in modes}
     meta["wall_s"] = {mode: 0.0 for mode in modes}
+    if args.merge:
+        meta, runs, engines = stored_without(out, tests, meta)
     # Module by module, each in both runs: an interrupted run leaves complete pairs (--resume).
     for test in tests:
         for mode in modes:
@@ -287,6 +325,27 @@ def main() -> None:
     if set(modes) != {"stock", "ours"}:
         (out / f"results_{'_'.join(modes)}.json").write_text(json.dumps(
             {"meta": meta, "runs": runs}, indent=1))
+
+
+def stored_without(out: Path, tests: list[str], meta: dict) -> tuple[dict, dict, dict]:
+    """The stored run's meta, results and engine counts, less the results of `tests` (module
+    paths), which a merge runs again; the merge is recorded in the meta."""
+    stored = json.loads((out / "results.json").read_text())
+    if (stored["meta"]["vllm_version"], stored["meta"]["sdist_sha256"]) != \
+            (meta["vllm_version"], meta["sdist_sha256"]):
+        raise SystemExit("--merge: the stored results are of another vLLM source distribution")
+
+    def rerun(nodeid: str) -> bool:
+        return any(nodeid == p or nodeid.startswith(p if p.endswith("/") else p + "::")
+                   or nodeid.startswith(p.rstrip("/") + "/") for p in tests)
+
+    runs = {mode: {t: r for t, r in results.items() if not rerun(t)}
+            for mode, results in stored["runs"].items()}
+    merged = dict(stored["meta"])
+    merged["modules"] = list(merged["modules"]) + [t for t in tests if t not in merged["modules"]]
+    merged.setdefault("merges", []).append({"modules": tests, "date": meta["date"]})
+    engines = {mode: Counter(merged.get("engines", {}).get(mode, {})) for mode in runs}
+    return merged, runs, engines
 
 
 def write_results(out: Path, meta: dict, runs: dict) -> None:

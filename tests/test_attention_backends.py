@@ -37,7 +37,7 @@ def test_every_backend_named_in_the_tables_is_one_of_vllms():
     assert set(LANE_BACKENDS) & set(REFUSED) == set()
 
 
-@pytest.mark.parametrize("backend", ["FLASHMLA_SPARSE", "TURBOQUANT"])
+@pytest.mark.parametrize("backend", ["FLASHMLA_SPARSE", "TURBOQUANT", "TRITON_MLA", "FLASHMLA"])
 def test_a_named_backend_the_lane_cannot_serve_is_refused_in_one_line_at_selection(
         tiny_model, backend):
     with pytest.raises(ConfigError) as err:
@@ -51,6 +51,8 @@ def test_a_named_backend_the_lane_cannot_serve_is_refused_in_one_line_at_selecti
 
 def test_the_refusal_says_why_for_a_known_reason_and_otherwise_that_the_lane_is_not_built_for_it():
     assert "top-k token indices an indexer computes" in refusal("FLASHMLA_SPARSE")
+    assert "differ from stock's by one bf16 step" in refusal("TRITON_MLA")
+    assert "no batch-invariant FLASHMLA" in refusal("FLASHMLA")
     assert attention_backends.NOT_BUILT_FOR in refusal("ROCM_ATTN")
     assert all(refusal(name) is None for name in LANE_BACKENDS)
 

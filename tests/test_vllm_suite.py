@@ -54,6 +54,23 @@ def test_stock_keeps_the_tests_backend_and_other_backends_are_left_alone():
     assert ray.distributed_executor_backend == "ray"
 
 
+def test_where_a_test_hides_vllms_plugins_the_backend_goes_in_by_class_path(monkeypatch):
+    """Some of vLLM's tests replace importlib.metadata.entry_points with a fake serving only their
+    own group, so vLLM loads no plugin in that process (or in one it forks) and cannot resolve
+    the name: as there, plugins count as loaded and the name is not registered."""
+    from vllm import plugins
+    from vllm.v1.executor.abstract import Executor
+
+    args = engine_args()
+    hooks.engine_settings(args, "ours")
+    assert args.distributed_executor_backend == "ainfer_pd"  # the plugin loads here
+    monkeypatch.setattr(plugins, "plugins_loaded", True)
+    monkeypatch.setattr(Executor, "get_class", staticmethod(lambda vllm_config: None))
+    args = engine_args()
+    hooks.engine_settings(args, "ours")
+    assert args.distributed_executor_backend == "vllm_ainfer_pd.executor.AInferPDExecutor"
+
+
 def test_hub_names_resolve_offline_to_the_local_model(tmp_path, monkeypatch):
     from ainfer_pd_testing.vllm_suite.hub import build_hub
 

@@ -27,13 +27,11 @@ LANE_BACKENDS: dict[str, str] = {
     "FLASH_ATTN": "measured: parity on 1 and 2 x H200 (vLLM's default on Hopper)",
     "FLASHINFER": "measured: parity on 1 x H200, eager (gpu_run.sh attn1)",
     "TRITON_ATTN": "measured: parity on 1 x H200, eager (gpu_run.sh attn1)",
-    "FLEX_ATTENTION": "to be measured on H200 (gpu_run.sh attn1)",
-    "FLASH_ATTN_MLA": "to be measured on H200 by name (gpu_run.sh attn1mla); the earlier MLA "
-                      "parity runs took vLLM's automatic choice, not recorded",
-    "FLASHMLA": "to be measured on H200 (gpu_run.sh attn1mla)",
+    "FLEX_ATTENTION": "measured: parity on 1 x H200, eager (gpu_run.sh attn1)",
+    "FLASH_ATTN_MLA": "measured: parity on 1 x H200, eager, batch-invariant (gpu_run.sh "
+                      "attn1mla; vLLM's first choice for MLA on Hopper)",
     "FLASHINFER_MLA": "not measured: vLLM 0.26 runs it on compute capability 10.x (Blackwell) "
                       "only, not on Hopper",
-    "TRITON_MLA": "to be measured on H200 (gpu_run.sh attn1mla)",
 }
 
 _SPARSE = ("sparse attention reads, in every layer, the top-k token indices an indexer computes "
@@ -47,6 +45,14 @@ REFUSED: dict[str, str] = {
         "ROCM_FLASHMLA_SPARSE_DSV4", "ROCM_AITER_MLA_SPARSE", "XPU_MLA_SPARSE",
         "MINIMAX_M3_SPARSE")
 }
+# MLA backends whose lane tokens are not stock's (1 x H200, bf16, benchmarks/results/gpu/attention/).
+# The lane computes each prompt's last token in D's step, beside the cached rest.
+REFUSED["TRITON_MLA"] = (
+    "with vLLM's batch-invariant kernels its lane tokens differ from stock's by one bf16 step on "
+    "3 of 16 prompts, where stock's own tokens are stable")
+REFUSED["FLASHMLA"] = (
+    "its lane tokens cannot be held to stock's: vLLM has no batch-invariant FLASHMLA, and with "
+    "its default kernels stock's own tokens change with the batch")
 NOT_BUILT_FOR = "not among the attention backends the P lane is built for"
 
 

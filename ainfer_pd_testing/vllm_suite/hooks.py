@@ -26,6 +26,8 @@ from typing import Any
 from ainfer_pd_testing.vllm_suite import BREAK_ENV, BREAKS, LOG_ENV, MODE_ENV, MODES
 
 BACKEND = "ainfer_pd"
+# The same backend by class path, the form vLLM resolves with no plugin loaded.
+BACKEND_CLASS = "vllm_ainfer_pd.executor.AInferPDExecutor"
 # The lane takes every prompt of at least this many uncached tokens: vLLM's test prompts are short
 # (a handful to a few dozen tokens with the tiny model's 512-token vocabulary).
 P_LANE_MIN_TOKENS = 4
@@ -69,13 +71,26 @@ def engine_settings(args: Any, run: str) -> None:
     if run != "ours":
         return
     if args.distributed_executor_backend in REPLACED_BACKENDS:
-        args.distributed_executor_backend = BACKEND
+        args.distributed_executor_backend = backend_for_this_process()
     extra = args.additional_config
     if isinstance(extra, str):
         extra = json.loads(extra)
     extra = dict(extra or {})
     extra[BACKEND] = {"p_lane_min_tokens": P_LANE_MIN_TOKENS, **extra.get(BACKEND, {})}
     args.additional_config = extra
+
+
+def backend_for_this_process() -> str:
+    """The backend's name, as users give it, where vLLM has loaded the plugin that registers the
+    name in this process; its class path where it has not, as a user without plugins would give
+    it. Some of vLLM's tests hide the plugins: they replace `importlib.metadata.entry_points` with
+    a fake serving only their own group, in the process or in one it forks, and vLLM loads
+    plugins once per process."""
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.executor.abstract import Executor
+
+    load_general_plugins()  # what EngineArgs.__post_init__ does next; once per process
+    return BACKEND if getattr(Executor.get_class, "_ainfer_pd", False) else BACKEND_CLASS
 
 
 def _patch_engine_args(module: Any) -> None:

@@ -25,6 +25,7 @@ MODELS = (
     "Qwen/Qwen2-1.5B-Instruct",
     "openai-community/gpt2",
     "JackFram/llama-160m",
+    "JackFram/llama-68m",
     "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
     "HuggingFaceTB/SmolLM2-135M-Instruct",
     "HuggingFaceH4/zephyr-7b-beta",
