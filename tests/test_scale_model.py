@@ -176,3 +176,23 @@ def test_every_run_listed_for_validation_has_its_report_and_profile():
         assert run.backend in report["backends"], (run.call, run.backend)
     for name in runs.profiles.values():
         assert (SCALE / name).is_file(), name
+
+
+def test_the_models_epoch_gate_is_the_products_rule():
+    """The model opens P epochs with the product's EpochGate (DP > 1): fewer, fuller epochs at
+    DP=2, and at DP=1, where the product does not use the gate, nothing changes."""
+    from benchmarks.scale.project import replicate
+    from vllm_ainfer_pd.rollout.generator import generate
+
+    prof = load_profile(SCALE / "profile_gpu.json")
+    gate = (("epoch_gate_fill", 0.8), ("epoch_gate_rounds", 96))
+    work = replicate(generate("gpu-quick", 0), 2)
+    off = simulate(work, prof, Layout(dp=2, ep=True), EngineSpec("pd"), 0.1).counters
+    on = simulate(work, prof, Layout(dp=2, ep=True), EngineSpec("pd", lane=gate), 0.1).counters
+    assert off["gate_waits"] == 0 < on["gate_waits"]
+    assert on["epochs"] < off["epochs"]
+    assert (on["lane_tokens"] / on["epoch_rank_tokens"]
+            > off["lane_tokens"] / off["epoch_rank_tokens"])
+    one = generate("gpu-quick", 0)
+    assert (simulate(one, prof, Layout(), EngineSpec("pd", lane=gate), 0.1).counters
+            == simulate(one, prof, Layout(), EngineSpec("pd"), 0.1).counters)

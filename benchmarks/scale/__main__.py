@@ -3,7 +3,7 @@ line.
 
     validate [--out DIR]                              every measured run against the model
     run [--presets gpu,gpu-mla,deepseek-v3] [--dp 1,2,4,8,16] [--wait-scale 0.1]
-        [--trace-preset gpu-quick] [--no-paper] [--out DIR]
+        [--trace-preset gpu-quick] [--seeds 0,1,2] [--no-paper] [--out DIR]
     simulate --profile FILE (--trace FILE | --preset NAME) [--engine pd] [--dp 2]
         [--cadence 8] [--wait-scale 0.1]              one modelled replay, its summary as JSON
 
@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--dp", default="1,2,4,8,16")
     r.add_argument("--wait-scale", type=float, default=0.1)
     r.add_argument("--trace-preset", default="gpu-quick", help="one rank's load, repeated per rank")
+    r.add_argument("--seeds", default="0,1,2", help="trace seeds; rows give the median")
     r.add_argument("--no-paper", action="store_true", help="skip the paper's setting")
     r.add_argument("--profiles", type=Path, default=RESULTS / "scale",
                    help="folder of profile_*.json (default: benchmarks/results/scale)")
@@ -86,17 +87,20 @@ def cmd_run(args: argparse.Namespace) -> None:
         q = row["ratios"]
         print(f"[project] {row['preset']} DP={row['dp']}: pd / stock makespan "
               f"{q['pd/stock']['makespan_s']:.3f}, pd / best cadence "
-              f"{q['pd/best_cadence']['makespan_s']:.3f} ({project.LABEL})", file=sys.stderr)
+              f"{q['pd/best_cadence']['makespan_s']:.3f}, pd_gate / best cadence "
+              f"{q['pd_gate/best_cadence']['makespan_s']:.3f} ({project.LABEL})", file=sys.stderr)
 
+    seeds = tuple(int(x) for x in args.seeds.split(",") if x)
     rows = project.project({k: profs[k] for k in presets}, args.trace_preset, args.wait_scale,
-                           dps, progress)
+                           dps, progress, seeds)
     paper = [] if args.no_paper else project.project_paper(profs["gpu"])
     print(project.markdown(rows))
     if paper:
         print("\n" + project.paper_markdown(paper))
     if args.out:
         meta = {"trace_preset": args.trace_preset, "wait_scale": args.wait_scale,
-                "presets": presets, "dp": list(dps)}
+                "presets": presets, "dp": list(dps), "seeds": list(seeds),
+                "cadences": list(project.CADENCES), "gate": dict(project.GATE)}
         print("written: " + ", ".join(map(str, project.write(rows, paper, args.out, meta))))
 
 

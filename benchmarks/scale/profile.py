@@ -49,6 +49,8 @@ LANE_DEFAULTS: dict[str, Any] = {
     "rendezvous_s": {"1": 0.0, "2": 1.0e-5, "4": 1.3e-5, "8": 3.1e-5, "16": 6.0e-4},
     "p_lane_min_tokens": 512, "max_p_inflight": 16, "segment_policy": "load",
     "segment_span": 1, "ordering": "fine",
+    # The epoch gate (config.py's epoch_gate_fill / epoch_gate_rounds; DP > 1 only): 0 = off.
+    "epoch_gate_fill": 0.0, "epoch_gate_rounds": 64,
 }
 HARDWARE_DEFAULTS: dict[str, Any] = {
     "name": "", "peak_tflops": 0.0, "hbm_tbps": 0.0, "link_gbps": 360.0, "hop_latency_us": 2.0,

@@ -2,6 +2,13 @@
 repeated once per DP rank), for the `gpu` and `gpu-mla` presets and a DeepSeek-V3-sized model,
 and the paper's own setting. Every number here is a projection, labelled so.
 
+Each row runs every engine on the traces of `SEEDS` (the generator's seed) and reports the
+median over them with the range; vLLM's prefill cadence is swept over `CADENCES` and its best N
+taken per seed. `pd` is the lane's defaults; `pd_gate` the lane with the epoch gate as
+`benchmarks/gpu_run.sh`'s `pd_gate` runs it (`GATE`), and `pd_gate_c0.5` the same with half of
+P's overlapped device time charged to D (the profile's fitted `contention` is 1.0: D pays all of
+it), a sensitivity.
+
 A DeepSeek-V3-sized profile is derived from the measured `gpu-mla` profile by FLOP and byte
 scaling: DeepSeek-V3's shape (61 layers, 3 dense, 256 routed experts top-8 with one shared,
 hidden 7,168, MLA with 128 heads, FP8 weights, bf16 KV), uniform routing (a trained router with
@@ -29,8 +36,12 @@ from vllm_ainfer_pd.rollout.generator import generate
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory
 
 DPS = (1, 2, 4, 8, 16)
-CADENCES = (2, 4, 8, 16, 32)
+CADENCES = (2, 4, 8, 16, 32, 64, 128, 256)
+SEEDS = (0, 1, 2)
 LABEL = "projected"
+# The epoch gate at DP > 1, with every uncached prompt through the lane (gpu_run.sh's pd_gate).
+GATE = (("epoch_gate_fill", 0.8), ("epoch_gate_rounds", 96), ("p_lane_min_tokens", 2))
+VARIANTS = ("pd", "pd_lane_all", "pd_gate", "pd_gate_c0.5")
 
 DEEPSEEK_V3 = ModelShape(
     name="deepseek-v3", hidden=7168, layers=61, heads=128, vocab=129280, experts=256, top_k=8,
@@ -75,43 +86,75 @@ def _metrics(summary: dict[str, Any]) -> dict[str, float]:
             "tpot_p50_s": summary["tpot_s"]["p50"], "requests_per_s": summary["requests_per_s"]}
 
 
-def project_one(profile: Profile, work: Trace, dp: int, wait_scale: float,
-                cadences: tuple[int, ...] = CADENCES) -> dict[str, Any]:
-    """Every engine on `dp` ranks (expert parallelism over all of them) replaying `work`; the
-    best cadence is the one with the shortest makespan."""
-    layout = Layout(dp=dp, ep=True)
-    out: dict[str, Any] = {"dp": dp, "label": LABEL, "engines": {}}
+def engine_specs(dp: int, cadences: tuple[int, ...] = CADENCES) -> dict[str, EngineSpec]:
     specs = {"stock": EngineSpec("stock"), "normal": EngineSpec("normal"),
              "pd": EngineSpec("pd"),
              # Every uncached prompt through the lane (the smallest threshold the option takes):
              # at DP > 1 an inline prefill still stretches every rank's step.
-             "pd_lane_all": EngineSpec("pd", lane=(("p_lane_min_tokens", 2),))}
+             "pd_lane_all": EngineSpec("pd", lane=(("p_lane_min_tokens", 2),)),
+             "pd_gate": EngineSpec("pd", lane=GATE),
+             "pd_gate_c0.5": EngineSpec("pd", lane=(*GATE, ("contention", 0.5)))}
     specs.update({f"cadence{n}": EngineSpec("cadence", cadence=n) for n in cadences if dp > 1})
-    for label, spec in specs.items():
-        out["engines"][label] = _metrics(simulate(work, profile, layout, spec,
-                                                  wait_scale).summary)
+    return specs
+
+
+def project_one(profile: Profile, work: Trace, dp: int, wait_scale: float,
+                cadences: tuple[int, ...] = CADENCES) -> dict[str, Any]:
+    """Every engine on `dp` ranks (expert parallelism over all of them) replaying `work`; the
+    best cadence is the one with the shortest makespan (stock where none is shorter)."""
+    layout = Layout(dp=dp, ep=True)
+    out: dict[str, Any] = {"dp": dp, "label": LABEL, "engines": {}, "lane": {}}
+    for label, spec in engine_specs(dp, cadences).items():
+        res = simulate(work, profile, layout, spec, wait_scale)
+        out["engines"][label] = _metrics(res.summary)
+        if spec.kind == "pd":
+            c = res.counters
+            out["lane"][label] = {
+                "epochs": c["epochs"], "gate_waits": c["gate_waits"],
+                "p_tokens_per_epoch": c["lane_tokens"] / max(1, c["epochs"]),
+                "rank_utilisation": c["lane_tokens"] / max(1, c["epoch_rank_tokens"])}
     eng = out["engines"]
     cads = {k: v for k, v in eng.items() if k.startswith("cadence")} or {"stock": eng["stock"]}
     best = min(cads, key=lambda k: cads[k]["makespan_s"])
     if eng["stock"]["makespan_s"] <= cads[best]["makespan_s"]:
         best = "stock"
     out["best_cadence"] = best
-    pd, pd_all = eng["pd"], eng["pd_lane_all"]
-    out["ratios"] = {
-        "pd/stock": {k: pd[k] / eng["stock"][k] for k in pd},
-        "pd/best_cadence": {k: pd[k] / eng[best][k] for k in pd},
-        "pd/normal": {k: pd[k] / eng["normal"][k] for k in pd},
-        "pd_lane_all/stock": {k: pd_all[k] / eng["stock"][k] for k in pd},
-        "pd_lane_all/best_cadence": {k: pd_all[k] / eng[best][k] for k in pd},
-    }
+    out["ratios"] = {}
+    for v in VARIANTS:
+        for base in ("stock", "best_cadence", "normal"):
+            ref = eng[best] if base == "best_cadence" else eng[base]
+            out["ratios"][f"{v}/{base}"] = {k: eng[v][k] / ref[k] for k in eng[v]}
     return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median over seeds of every engine's metrics and every ratio, and each ratio's range."""
+    first = per_seed[0]
+    engines = {e: {k: _median([r["engines"][e][k] for r in per_seed]) for k in m}
+               for e, m in first["engines"].items()}
+    ratios = {q: {k: _median([r["ratios"][q][k] for r in per_seed]) for k in m}
+              for q, m in first["ratios"].items()}
+    ranges = {q: {k: [min(r["ratios"][q][k] for r in per_seed),
+                      max(r["ratios"][q][k] for r in per_seed)] for k in m}
+              for q, m in first["ratios"].items()}
+    lane = {e: {k: _median([r["lane"][e][k] for r in per_seed]) for k in m}
+            for e, m in first["lane"].items()}
+    return {"engines": engines, "ratios": ratios, "ranges": ranges, "lane": lane,
+            "best_cadence": [r["best_cadence"] for r in per_seed],
+            "best_cadence_makespan_s": _median([r["engines"][r["best_cadence"]]["makespan_s"]
+                                                for r in per_seed])}
 
 
 def project(profiles: dict[str, Profile], trace_preset: str = "gpu-quick",
             wait_scale: float = 0.1, dps: tuple[int, ...] = DPS,
-            progress: Any = None) -> list[dict[str, Any]]:
-    trace = generate(trace_preset, 0)
-    paper = generate("paper", 0)
+            progress: Any = None, seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
+    traces = {seed: (generate(trace_preset, seed), generate("paper", seed)) for seed in seeds}
     rows = []
     for name, prof in profiles.items():
         for dp in dps:
@@ -119,15 +162,21 @@ def project(profiles: dict[str, Profile], trace_preset: str = "gpu-quick",
                 rows.append({"preset": name, "dp": dp, "label": LABEL, "skipped":
                              "weights do not fit in this many H200s"})
                 continue
-            if name == "deepseek-v3":
-                # The paper's load for a model of this size: its trace (128 trajectories) on
-                # 8 ranks, 16 per rank; the `gpu-quick` load (64 per rank) saturates its prefill.
-                copies = max(1, dp // 8)
-                work, label = replicate(paper, copies), f"paper x {copies}"
-            else:
-                work, label = replicate(trace, dp), f"{trace_preset} x {dp}"
-            row = {"preset": name, "trace": label, "wait_scale": wait_scale,
-                   **project_one(prof, work, dp, wait_scale)}
+            per_seed, label = [], ""
+            for seed in seeds:
+                trace, paper = traces[seed]
+                if name == "deepseek-v3":
+                    # The paper's load for a model of this size: its trace (128 trajectories) on
+                    # 8 ranks, 16 per rank; the `gpu-quick` load (64 per rank) saturates its
+                    # prefill.
+                    copies = max(1, dp // 8)
+                    work, label = replicate(paper, copies), f"paper x {copies}"
+                else:
+                    work, label = replicate(trace, dp), f"{trace_preset} x {dp}"
+                per_seed.append({"seed": seed, **project_one(prof, work, dp, wait_scale)})
+            row = {"preset": name, "dp": dp, "trace": label, "wait_scale": wait_scale,
+                   "label": LABEL, "seeds": list(seeds), **aggregate(per_seed),
+                   "per_seed": per_seed}
             rows.append(row)
             if progress:
                 progress(row)
@@ -187,24 +236,45 @@ def project_paper(gpu: Profile, dp: int = 8) -> list[dict[str, Any]]:
 # -- output ----------------------------------------------------------------------------------
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| preset | DP (=EP) | trace | stock makespan (s) | best cadence (makespan) "
-            "| pd makespan (s) | pd / stock: makespan, p99 TTFT, TPOT p50 "
-            "| pd / best cadence: makespan "
-            "| all prompts through the lane: / stock, / best cadence |")
-    lines = [f"All numbers {LABEL}.", "", head, "|" + "---|" * 9]
+    seeds = next((r["seeds"] for r in rows if "seeds" in r), [])
+    head = ("| preset | DP (=EP) | trace | stock makespan (s) | best cadence, per seed "
+            "| pd / stock: makespan, p99 TTFT, TPOT p50 | pd / best cadence: makespan "
+            "| pd_gate / stock: makespan, p99 TTFT, TPOT p50 "
+            "| pd_gate / best cadence: makespan [range] | pd_gate / best cadence: p99 TTFT "
+            "| pd_gate at contention 0.5 / best cadence: makespan |")
+    lines = [f"All numbers {LABEL}: medians over trace seeds {', '.join(map(str, seeds))} "
+             f"(range in brackets); cadence N = {', '.join(map(str, CADENCES))}.", "", head,
+             "|" + "---|" * 11]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['preset']} | {r['dp']} | {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['preset']} | {r['dp']} | {r['skipped']} |" + " |" * 8)
             continue
-        e, q = r["engines"], r["ratios"]
+        e, q, rg = r["engines"], r["ratios"], r["ranges"]
+        best = ", ".join(c.replace("cadence", "N=") for c in r["best_cadence"])
+        g = q["pd_gate/best_cadence"]["makespan_s"]
+        lo, hi = rg["pd_gate/best_cadence"]["makespan_s"]
         lines.append(
             f"| {r['preset']} | {r['dp']} | {r['trace']} | {e['stock']['makespan_s']:.1f} | "
-            f"{r['best_cadence']}"
-            f" ({e[r['best_cadence']]['makespan_s']:.1f}) | {e['pd']['makespan_s']:.1f} | "
+            f"{best} ({r['best_cadence_makespan_s']:.1f} s) | "
             f"{q['pd/stock']['makespan_s']:.3f}, {q['pd/stock']['ttft_p99_s']:.2f}, "
             f"{q['pd/stock']['tpot_p50_s']:.2f} | {q['pd/best_cadence']['makespan_s']:.3f} | "
-            f"{q['pd_lane_all/stock']['makespan_s']:.3f}, "
-            f"{q['pd_lane_all/best_cadence']['makespan_s']:.3f} |")
+            f"{q['pd_gate/stock']['makespan_s']:.3f}, {q['pd_gate/stock']['ttft_p99_s']:.2f}, "
+            f"{q['pd_gate/stock']['tpot_p50_s']:.2f} | **{g:.3f}** [{lo:.3f}, {hi:.3f}] | "
+            f"{q['pd_gate/best_cadence']['ttft_p99_s']:.2f} | "
+            f"{q['pd_gate_c0.5/best_cadence']['makespan_s']:.3f} |")
+    lines += ["", "The lane in the model (medians over seeds): epochs, P tokens per epoch, and "
+              "rank utilisation (an epoch's tokens over ranks x its fullest rank's tokens):", "",
+              "| preset | DP | pd: epochs, tokens / epoch, utilisation "
+              "| pd_gate: epochs, tokens / epoch, utilisation, rounds the gate waited |",
+              "|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            continue
+        a, b = r["lane"]["pd"], r["lane"]["pd_gate"]
+        lines.append(f"| {r['preset']} | {r['dp']} | {a['epochs']:.0f}, "
+                     f"{a['p_tokens_per_epoch']:.0f}, {a['rank_utilisation']:.2f} | "
+                     f"{b['epochs']:.0f}, {b['p_tokens_per_epoch']:.0f}, "
+                     f"{b['rank_utilisation']:.2f}, {b['gate_waits']:.0f} |")
     return "\n".join(lines)
 
 
@@ -233,8 +303,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, key, title in ((axes[0], "pd/stock", "pd / stock"),
-                           (axes[1], "pd/best_cadence", "pd / stock with its best cadence")):
+    for ax, key, title in ((axes[0], "pd/best_cadence", "pd / best cadence"),
+                           (axes[1], "pd_gate/best_cadence", "pd_gate / best cadence")):
         for preset in dict.fromkeys(r["preset"] for r in rows):
             pts = [(r["dp"], r["ratios"][key]["makespan_s"]) for r in rows
                    if r["preset"] == preset and "ratios" in r]

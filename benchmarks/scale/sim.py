@@ -14,8 +14,9 @@ finished requests release their trajectory's next turn.
 - Async scheduling (vLLM's default on GPU): step n+1 is scheduled while step n runs, so a request
   that arrives during step n is first scheduled in step n+2, and a lane job reported by step n is
   promoted in step n+2.
-- The lane (`pd`): an epoch opens in a round when no epoch is open and some rank has queued lane
-  tokens; every rank takes its queued jobs first come, first served, up to the step's token budget
+- The lane (`pd`): an epoch opens in a round when no epoch is open, some rank has queued lane
+  tokens and, at DP > 1, the product's epoch gate (`turnstile.round_plan.EpochGate`, options
+  `epoch_gate_fill` / `epoch_gate_rounds`) opens on every rank's queued tokens and decode rows; every rank takes its queued jobs first come, first served, up to the step's token budget
   (a longer prompt continues in the next epoch), and all ranks' epochs run together (P's expert
   collectives span the group; a rank without P runs a dummy). Each round the segment policy's K
   (`turnstile.policy`, the worker's load figures, max over ranks) releases K of the epoch's
@@ -43,6 +44,7 @@ from benchmarks.scale.profile import Profile
 from benchmarks.scale.shape import Batch
 from vllm_ainfer_pd.rollout.trace import Trace
 from vllm_ainfer_pd.turnstile.policy import Load, make_policy
+from vllm_ainfer_pd.turnstile.round_plan import EpochGate
 
 LB_PUBLISH_S = 0.1  # vLLM's coordinator: min_stats_update_interval_ms = 100
 
@@ -125,8 +127,12 @@ class Simulator:
         self.policy = make_policy(str(self.lane["segment_policy"]),
                                   k=int(self.lane["segment_span"]),
                                   spans=load_spans(self.boundaries))
+        self.gate = EpochGate(float(self.lane["epoch_gate_fill"]),
+                              int(self.lane["epoch_gate_rounds"]))
+        self.gate_waited = 0  # rounds with lane work queued and no epoch open
         self.n = {"steps": 0, "epochs": 0, "segments": 0, "d_wait_s": 0.0, "p_device_s": 0.0,
-                  "lane_tokens": 0, "lane_extra_s": 0.0}
+                  "lane_tokens": 0, "lane_extra_s": 0.0, "gate_waits": 0,
+                  "epoch_rank_tokens": 0}
 
     # -- client ------------------------------------------------------------------------------
 
@@ -230,6 +236,21 @@ class Simulator:
 
     # -- the lane ------------------------------------------------------------------------------
 
+    def _gate_opens(self, batches: list[Batch]) -> bool:
+        """The product's rule (`p_lane._gate_opens`): at DP > 1, from every rank's queued lane
+        tokens and decode rows; at DP = 1 an epoch opens as soon as work is queued."""
+        queued = [sum(q.lane_left for q in r.lane_queue) for r in self.ranks]
+        if self.layout.dp == 1:
+            return any(queued)
+        self.gate_waited = self.gate_waited + 1 if any(queued) else 0
+        opens = self.gate.opens(queued, [b.rows for b in batches], self.gate_waited,
+                                int(self.eng["max_num_batched_tokens"]))
+        if any(queued) and not opens:
+            self.n["gate_waits"] += 1
+        if opens:
+            self.gate_waited = 0
+        return opens
+
     def _open_epoch(self) -> Epoch | None:
         budget = int(self.eng["max_num_batched_tokens"])
         if not any(r.lane_queue for r in self.ranks):
@@ -256,13 +277,16 @@ class Simulator:
         device = self.cost.lockstep(batches, with_t0=False)
         self.n["epochs"] += 1
         self.n["lane_tokens"] += sum(tokens)
+        # Each rank's forward is as long as the fullest one's (lockstep): utilisation is the
+        # epoch's tokens over ranks x its largest rank's tokens.
+        self.n["epoch_rank_tokens"] += max(tokens) * len(tokens)
         self.n["p_device_s"] += device
         return Epoch(jobs, tokens, device, self.boundaries)
 
     def _lane_round(self, batches: list[Batch], d_s: float, step: int) -> float:
         lane = self.lane
         if self.epoch is None:
-            self.epoch = self._open_epoch()
+            self.epoch = self._open_epoch() if self._gate_opens(batches) else None
             if self.epoch is None:
                 # At DP > 1 the rendezvous run every D iteration: they carry each rank's queued
                 # P tokens, how ranks agree to open an epoch together (docs/worker.md).
