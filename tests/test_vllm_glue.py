@@ -87,3 +87,18 @@ def test_every_symbol_has_its_row_in_docs_vllm_glue_md():
     targets = {patch.target for patch in all_patches()}
     assert targets - documented == set(), "not in docs/vllm-glue.md"
     assert documented - targets == set(), "in docs/vllm-glue.md but not in any PATCHES"
+
+
+def test_the_shape_report_lists_every_symbol_and_names_each_difference(monkeypatch):
+    """`python -m vllm_ainfer_pd.vllm_glue`: how far another vLLM release is, all at once."""
+    from vllm.v1.worker import dp_utils
+
+    from vllm_ainfer_pd.vllm_glue import shape_report
+
+    report = shape_report()
+    assert len(report) == len(all_patches()) and all(problem is None for _, problem in report)
+    monkeypatch.setattr(dp_utils, "_run_ar", lambda tensor, group: None)
+    problems = {patch.target: problem for patch, problem in shape_report() if problem}
+    assert list(problems) == ["vllm.v1.worker.dp_utils:_run_ar"]
+    assert problems["vllm.v1.worker.dp_utils:_run_ar"].startswith(
+        "vLLM's vllm.v1.worker.dp_utils:_run_ar takes (tensor, group), but the backend")

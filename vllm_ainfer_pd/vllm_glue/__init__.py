@@ -66,6 +66,20 @@ def all_patches() -> list[Patch]:
     return [patch for module in modules for patch in module.PATCHES]
 
 
+def shape_report() -> list[tuple[Patch, str | None]]:
+    """Every patched or relied-on symbol with what its check finds in the installed vLLM (None:
+    it matches), for every platform: all at once what `check_vllm_shapes` would stop at first,
+    to see how far another vLLM release is (`python -m vllm_ainfer_pd.vllm_glue`)."""
+    report = []
+    for patch in all_patches():
+        try:
+            patch.check()
+            report.append((patch, None))
+        except GlueShapeError as exc:
+            report.append((patch, str(exc)))
+    return report
+
+
 def check_vllm_shapes() -> None:
     """Raise `GlueShapeError` (one line) if a vLLM symbol the backend patches or relies on differs
     from what its code assumes. Symbols of one platform's code path are checked on that platform
@@ -78,4 +92,4 @@ def check_vllm_shapes() -> None:
 
 
 __all__ = ["GlueShapeError", "Patch", "UnsupportedVLLMVersion", "all_patches", "check_vllm_shapes",
-           "check_vllm_version"]
+           "check_vllm_version", "shape_report"]
