@@ -99,6 +99,13 @@ MODULES = [
     "tests/v1/engine/test_init_error_messaging.py",
     "tests/v1/engine/test_fast_incdec_prefix_err.py",
     "tests/v1/shutdown",
+    "tests/test_regression.py",
+    "tests/entrypoints/llm/offline_mode/test_offline_mode.py",
+    # Chunked prefill and prefix-cache hits against a full prefill (the CPU platform's own e2e
+    # test), vLLM against transformers, and structured outputs.
+    "tests/v1/e2e/test_cpu_linear_attn_chunked_prefix.py",
+    "tests/basic_correctness/test_basic_correctness.py",
+    "tests/entrypoints/llm/test_struct_output_generate.py",
 ]
 
 # Tests of the chosen modules left out, with why (node ids or prefixes).
@@ -132,24 +139,11 @@ CAUSES: dict[str, str] = {
     # Limitations of the backend (stock passes, ours fails).
     "tests/v1/logits_processors/test_custom_offline.py::test_rejects_custom_logitsprocs["
     "CustomLogitprocSource.LOGITPROC_SOURCE_ENTRYPOINT-spec_dec]":
-        "limitation: the test replaces importlib.metadata.entry_points in its process with a "
-        "fake serving only its logits-processor group, so vLLM's general plugins, and with them "
-        "the registration of the name `ainfer_pd`, never load there; vLLM then resolves "
-        "'ainfer_pd' as a class path and fails (the class path "
-        "vllm_ainfer_pd.executor.AInferPDExecutor resolves in the same process)",
-    "tests/v1/logits_processors/test_custom_offline.py::test_rejects_custom_logitsprocs[":
-        "limitation: ainfer_pd's workers always run in processes of their own (it is vLLM's "
-        "MultiprocExecutor underneath), also where the test asks for the in-process executor "
-        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, no backend); the ValueError vLLM raises while the "
-        "worker starts (custom logits processors with speculative decoding) then reaches the "
-        "caller as vLLM's generic 'WorkerProc initialization failed' Exception, as it does "
-        "with stock's `mp` backend, and pytest.raises(ValueError) does not match",
-    "tests/v1/logits_processors/test_custom_online.py::":
-        "limitation, the same as test_rejects_custom_logitsprocs[...ENTRYPOINT...]: the server "
-        "is started by the test's own child process, which replaces "
-        "importlib.metadata.entry_points with a fake for its logits processor, so the plugin "
-        "that registers the name `ainfer_pd` never loads and `vllm serve` exits at its config "
-        "('not enough values to unpack': vLLM resolving 'ainfer_pd' as a class path)",
+        "limitation: the test asks for vLLM's in-process executor "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, no backend) and then reads its worker "
+        "(`llm.llm_engine.model_executor.driver_worker`); ainfer_pd's workers always run in "
+        "processes of their own (it is vLLM's MultiprocExecutor underneath), so the executor has "
+        "no `driver_worker`",
     "tests/entrypoints/serve/instrumentator/test_metrics.py::test_metrics_counts[":
         "limitation (documented in docs/rollout.md, Metrics): vllm:iteration_tokens_total counts "
         "the tokens of D's steps; the prompt tokens the P lane computes in the background are "
@@ -225,10 +219,14 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
         modules = ", ".join(f"`{m}`" for m in merge["modules"])
         lines += [f"Run again or added on {merge['date']}, in place of the first run's "
                   f"(`--merge --modules ...`): {modules}.", ""]
-    lines += ["ours: `ainfer_pd` as executor backend of every engine, "
+    lines += ["ours: `ainfer_pd` as executor backend of every engine (by its class path "
+              "`vllm_ainfer_pd.executor.AInferPDExecutor` in a process where a test hides vLLM's "
+              "plugins), "
              f"`additional_config={{\"ainfer_pd\": {{\"p_lane_min_tokens\": "
              f"{hooks.P_LANE_MIN_TOKENS}}}}}`; both runs: the tiny model for every hub name, "
-             "float32 or the test's dtype, `enforce_eager`, 1 GiB of KV cache on the CPU.", ""]
+             "float32 or the test's dtype, `enforce_eager`, 1 GiB of KV cache on the CPU, "
+             "`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1` (tests that ask for 8,192-token contexts; the "
+             "tiny model has 4,096 positions).", ""]
     lines += [f"- tests collected: {summary['tests']}; stock {summary['stock']}; "
               f"ours {summary['ours']}",
               f"- stock passes without building or stepping an engine (not counted): "

@@ -31,6 +31,7 @@ MODELS = (
     "HuggingFaceH4/zephyr-7b-beta",
     "meta-llama/llama-2-7b-hf",
     "google/gemma-3-1b-it",
+    "Qwen/Qwen3.5-0.8B",
 )
 
 

@@ -1,0 +1,104 @@
+"""The scale model's lane against the product's, on the CPU at DP=2 + EP, with and without the
+epoch gate: the real lane's epochs, P tokens per epoch and rank utilisation (its counters) beside
+the model replaying the same trace with the CPU profile.
+
+    python benchmarks/gate_check_cpu.py [--reps 2] [--out benchmarks/results/cpu/gate_check]
+
+Two servers one after another (`rollout compare`, the `cpu` trace, client waits x 1): the lane
+taking every prompt (`p_lane_min_tokens=2`), and the same with the gate as `gpu_run.sh`'s
+`pd_gate` sets it. Counters are per replay, summed over ranks; epochs run in lockstep, so a
+rank's epoch count is the sum over DP. Rank utilisation is all ranks' epoch tokens over DP x the
+fullest rank's (`vllm_ainfer_pd_epoch_all_rank_tokens` / (DP x `..._epoch_max_rank_tokens`)).
+Writes `gate_check.md` / `.json` beside the rollout report. Not a speed result: on 2 shared cores
+P cannot overlap D.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scale import EngineSpec, Layout, load_profile, simulate  # noqa: E402
+from vllm_ainfer_pd.rollout.trace import load_trace  # noqa: E402
+
+DP = 2
+LANE_ALL = {"p_lane_min_tokens": 2}
+GATE = {**LANE_ALL, "epoch_gate_fill": 0.8, "epoch_gate_rounds": 96}
+BACKENDS = {"pd_all": LANE_ALL, "pd_gate": GATE}
+PREFIX = "vllm_ainfer_pd_"
+
+
+def measured(report: dict, backend: str) -> dict[str, float]:
+    """Median over the backend's replays of the three figures."""
+    rows = []
+    for run in report["backends"][backend]["runs"]:
+        c = run["counters"]
+        epochs = c[PREFIX + "epochs_total"] / DP
+        rows.append({"epochs": epochs,
+                     "p_tokens_per_epoch": c[PREFIX + "p_tokens_total"] / max(1.0, epochs),
+                     "rank_utilisation": c[PREFIX + "epoch_all_rank_tokens_total"]
+                     / max(1.0, DP * c[PREFIX + "epoch_max_rank_tokens_total"])})
+    return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+
+
+def modelled(trace, lane: dict) -> dict[str, float]:
+    profile = load_profile(ROOT / "benchmarks" / "results" / "scale" / "profile_cpu_tiny.json")
+    res = simulate(trace, profile, Layout(dp=DP, ep=True),
+                   EngineSpec("pd", lane=tuple(lane.items())), wait_scale=1.0)
+    c = res.counters
+    return {"epochs": c["epochs"], "p_tokens_per_epoch": c["lane_tokens"] / max(1, c["epochs"]),
+            "rank_utilisation": c["lane_tokens"] / max(1, c["epoch_rank_tokens"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "gate_check")
+    p.add_argument("--skip-run", action="store_true", help="compare the stored report only")
+    args = p.parse_args()
+    if not args.skip_run:
+        subprocess.run([sys.executable, "-m", "vllm_ainfer_pd.models", "--preset", "tiny"],
+                       check=True, stdout=subprocess.DEVNULL)
+        cmd = [sys.executable, "-m", "vllm_ainfer_pd.rollout", "compare", "--preset", "cpu",
+               "--dp", str(DP), "--enable-expert-parallel", "--reps", str(args.reps),
+               "--schedule", "sequential", "--no-progress", "--out", str(args.out),
+               "--only", ",".join(BACKENDS)]
+        for name, lane in BACKENDS.items():
+            cmd += ["--variant", f"{name}={json.dumps({'ainfer_pd': lane})}"]
+        subprocess.run(cmd, check=True, cwd=ROOT, env=os.environ)
+    report = json.loads((args.out / "report.json").read_text())
+    trace = load_trace(args.out / "trace.jsonl")
+    rows = []
+    for name, lane in BACKENDS.items():
+        meas, model = measured(report, name), modelled(trace, lane)
+        rows.append({"backend": name, "lane": lane, "measured": meas, "model": model,
+                     "model_over_measured": {k: model[k] / meas[k] for k in meas}})
+    lines = ["# The model's lane against the product's (CPU, DP=2 + EP)", "",
+             f"`python benchmarks/gate_check_cpu.py --reps {args.reps}`; measured: median over "
+             "the replays; model: one replay of the same trace (`profile_cpu_tiny.json`). "
+             "Bold: outside +-10%.", "",
+             "| backend | lane options | epochs meas. / model | P tokens per epoch meas. / "
+             "model | rank utilisation meas. / model |", "|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for k, fmt in (("epochs", "{:.0f}"), ("p_tokens_per_epoch", "{:.0f}"),
+                       ("rank_utilisation", "{:.2f}")):
+            err = r["model_over_measured"][k] - 1
+            mark = "**" if abs(err) > 0.10 else ""
+            cells.append(f"{fmt.format(r['measured'][k])} / {fmt.format(r['model'][k])} "
+                         f"({mark}{100 * err:+.0f}%{mark})")
+        lines.append(f"| {r['backend']} | `{json.dumps(r['lane'])}` | " + " | ".join(cells) + " |")
+    (args.out / "gate_check.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (args.out / "gate_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
