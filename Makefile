@@ -27,7 +27,7 @@ rollout:
 model:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && $$py -m vllm_ainfer_pd.models --preset tiny
 
-# vLLM 0.26.0's own tests, stock vs ainfer_pd (benchmarks/vllm_tests.py; about 90 min on 2 cores):
+# vLLM 0.26.0's own tests, stock vs ainfer_pd (benchmarks/vllm_tests.py; about 2 h on 2 cores):
 # writes benchmarks/results/vllm_tests/. VLLM_TESTS_ARGS='--resume' continues an interrupted run.
 vllm-tests:
 	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \

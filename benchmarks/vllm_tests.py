@@ -215,10 +215,13 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
     lines = [f"# {title}", "",
              f"vLLM {meta['vllm_version']} (sdist sha256 `{meta['sdist_sha256'][:16]}...`), "
              f"`python benchmarks/vllm_tests.py` on {meta['machine']}, {meta['date']}.", ""]
-    for merge in meta.get("merges", []):
-        modules = ", ".join(f"`{m}`" for m in merge["modules"])
-        lines += [f"Run again or added on {merge['date']}, in place of the first run's "
-                  f"(`--merge --modules ...`): {modules}.", ""]
+    merges = meta.get("merges", [])
+    if merges:
+        modules = ", ".join(f"`{m}`" for m in dict.fromkeys(
+            m for merge in merges for m in merge["modules"]))
+        dates = ", ".join(dict.fromkeys(merge["date"] for merge in merges))
+        lines += [f"Run again or added later ({dates}; `--merge --modules ...`, both runs, in "
+                  f"place of the earlier results; the last pass of each counts): {modules}.", ""]
     lines += ["ours: `ainfer_pd` as executor backend of every engine (by its class path "
               "`vllm_ainfer_pd.executor.AInferPDExecutor` in a process where a test hides vLLM's "
               "plugins), "

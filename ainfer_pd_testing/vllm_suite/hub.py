@@ -32,6 +32,9 @@ MODELS = (
     "meta-llama/llama-2-7b-hf",
     "google/gemma-3-1b-it",
     "Qwen/Qwen3.5-0.8B",
+    "meta-llama/Meta-Llama-3.1-8B-Instruct",
+    "Qwen/Qwen3-1.7B",
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
 )
 
 
