@@ -60,7 +60,8 @@ def modelled(trace, lane: dict) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "gate_check")
+    p.add_argument("--out", type=Path,
+                   default=ROOT / "benchmarks" / "results" / "cpu" / "gate_check")
     p.add_argument("--skip-run", action="store_true", help="compare the stored report only")
     args = p.parse_args()
     if not args.skip_run:

@@ -45,8 +45,8 @@ REFUSED: dict[str, str] = {
         "ROCM_FLASHMLA_SPARSE_DSV4", "ROCM_AITER_MLA_SPARSE", "XPU_MLA_SPARSE",
         "MINIMAX_M3_SPARSE")
 }
-# MLA backends whose lane tokens are not stock's (1 x H200, bf16, benchmarks/results/gpu/attention/).
-# The lane computes each prompt's last token in D's step, beside the cached rest.
+# MLA backends whose lane tokens are not stock's (1 x H200, bf16,
+# benchmarks/results/gpu/attention/). The lane computes each prompt's last token in D's step.
 REFUSED["TRITON_MLA"] = (
     "with vLLM's batch-invariant kernels its lane tokens differ from stock's by one bf16 step on "
     "3 of 16 prompts, where stock's own tokens are stable")

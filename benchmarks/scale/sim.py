@@ -16,7 +16,8 @@ finished requests release their trajectory's next turn.
   promoted in step n+2.
 - The lane (`pd`): an epoch opens in a round when no epoch is open, some rank has queued lane
   tokens and, at DP > 1, the product's epoch gate (`turnstile.round_plan.EpochGate`, options
-  `epoch_gate_fill` / `epoch_gate_rounds`) opens on every rank's queued tokens and decode rows; every rank takes its queued jobs first come, first served, up to the step's token budget
+  `epoch_gate_fill` / `epoch_gate_rounds`) opens on every rank's queued tokens and decode rows;
+  every rank takes its queued jobs first come, first served, up to the step's token budget
   (a longer prompt continues in the next epoch), and all ranks' epochs run together (P's expert
   collectives span the group; a rank without P runs a dummy). Each round the segment policy's K
   (`turnstile.policy`, the worker's load figures, max over ranks) releases K of the epoch's
