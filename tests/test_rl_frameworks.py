@@ -432,11 +432,20 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
                       ("wait", True, lambda: http_transfer(srv.url, trainer, update)),
                       ("abort", True, None))
             for k, (mode, clear_cache, while_paused) in enumerate(phases):
-                ps = prompts(10 + k)
-                run = paused_over_http(srv.url, tiny_model, ps, mode, clear_cache, while_paused)
-                lane, kv = settled(srv.url, tiny_model)
-                print(mode, "tokens at the pause:", [len(f) for f in run["frozen"]],
-                      "lane:", lane, "KV usage:", kv, "idle:", idle_kv)
+                # On a loaded machine the P jobs seen in flight can finish before the `/pause`
+                # call reaches the engine, and then the pause meets no P work: try again with
+                # new prompts (not for `wait`, whose update would then precede the next try).
+                attempts = 1 if while_paused is not None else 3
+                for attempt in range(attempts):
+                    ps = prompts(10 + k + 10 * attempt)
+                    run = paused_over_http(srv.url, tiny_model, ps, mode, clear_cache,
+                                           while_paused)
+                    lane, kv = settled(srv.url, tiny_model)
+                    print(mode, "tokens at the pause:", [len(f) for f in run["frozen"]],
+                          "lane:", lane, "KV usage:", kv, "idle:", idle_kv)
+                    if met_p_work(run) or attempt == attempts - 1:
+                        break
+                    print(mode, "the pause met no P work; again with new prompts")
                 check_http_pause(run, mode, ps, reference, weights)
                 assert len(lane) == 2 and all(r.get(INFLIGHT, 0) == 0 for r in lane.values()), \
                     (mode, lane)
@@ -444,6 +453,11 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
         except BaseException:
             print(srv.log_tail(120))
             raise
+
+
+def met_p_work(run: dict) -> bool:
+    """The pause cancelled P jobs (they were still in flight when it reached the engine)."""
+    return run["lane_at_pause"]["jobs_cancelled"] > run["lane_before"]["jobs_cancelled"]
 
 
 def check_http_pause(run: dict, mode: str, ps: list[list[int]], reference: Reference,
@@ -455,7 +469,7 @@ def check_http_pause(run: dict, mode: str, ps: list[list[int]], reference: Refer
     # resume).
     before, at_pause = run["lane_before"], run["lane_at_pause"]
     assert before["inflight"] > 0 and at_pause["inflight"] == 0, (mode, before, at_pause)
-    assert at_pause["jobs_cancelled"] > before["jobs_cancelled"], (mode, before, at_pause)
+    assert met_p_work(run), (mode, before, at_pause)
     assert run["still"] == run["frozen"], (mode, "tokens made while paused")
     assert run["probe_tokens_while_paused"] == [[], []], (mode, run["probe_tokens_while_paused"])
     assert all(len(t) == 2 and reason == "length" and error is None
