@@ -336,9 +336,10 @@ def stored_without(out: Path, tests: list[str], meta: dict) -> tuple[dict, dict,
             (meta["vllm_version"], meta["sdist_sha256"]):
         raise SystemExit("--merge: the stored results are of another vLLM source distribution")
 
-    def rerun(nodeid: str) -> bool:
-        return any(nodeid == p or nodeid.startswith(p if p.endswith("/") else p + "::")
-                   or nodeid.startswith(p.rstrip("/") + "/") for p in tests)
+    def rerun(nodeid: str) -> bool:  # a test of one of `tests` (a node id, a file, a folder)
+        module = module_of(nodeid)
+        return any(nodeid == p or module == p or module.startswith(p.rstrip("/") + "/")
+                   for p in tests)
 
     runs = {mode: {t: r for t, r in results.items() if not rerun(t)}
             for mode, results in stored["runs"].items()}

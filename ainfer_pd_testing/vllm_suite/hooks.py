@@ -87,10 +87,11 @@ def backend_for_this_process() -> str:
     a fake serving only their own group, in the process or in one it forks, and vLLM loads
     plugins once per process."""
     from vllm.plugins import load_general_plugins
-    from vllm.v1.executor.abstract import Executor
+
+    from vllm_ainfer_pd.vllm_glue import executor_class
 
     load_general_plugins()  # what EngineArgs.__post_init__ does next; once per process
-    return BACKEND if getattr(Executor.get_class, "_ainfer_pd", False) else BACKEND_CLASS
+    return BACKEND if executor_class.installed() else BACKEND_CLASS
 
 
 def _patch_engine_args(module: Any) -> None:

@@ -26,12 +26,19 @@ PATCHES = [
 ]
 
 
+def installed() -> bool:
+    """Whether this process resolves the backend's short name (the plugin ran here)."""
+    from vllm.v1.executor.abstract import Executor
+
+    return getattr(Executor.get_class, "_ainfer_pd", False)
+
+
 def install(name: str, select: Callable[[object], type]) -> None:
     """Make `Executor.get_class(vllm_config)` return `select(vllm_config)` when the backend is
     `name`; other backends resolve as before. Idempotent."""
     from vllm.v1.executor.abstract import Executor
 
-    if getattr(Executor.get_class, "_ainfer_pd", False):
+    if installed():
         return
     stock_get_class = Executor.get_class
 
