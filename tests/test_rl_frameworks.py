@@ -364,11 +364,13 @@ def jobs_taken(lane: dict) -> int:
 
 
 def paused_over_http(url: str, model: str, ps: list[list[int]], mode: str, clear_cache: bool,
-                     while_paused=None) -> dict:
+                     while_paused=None) -> dict | None:
     """Every prompt on DP rank 0; once a request decodes and P jobs of these prompts are in
     flight, `/pause`; while paused, a probe per DP rank and `while_paused()` (the trainer's
-    update); `/resume`; every request's tokens. (Waiting for every prompt to reach the lane first
-    left a window of a few rounds, which polls over `collective_rpc` on a loaded machine missed.)"""
+    update); `/resume`; every request's tokens. None when every request finished before a poll
+    saw that point: polls over `collective_rpc` on a loaded machine can take longer than the
+    prompts' whole P. (Waiting for every prompt to reach the lane first left a window of a few
+    rounds, which such polls missed.)"""
     first = jobs_taken(rank0_lane(url))
     streams = [Streamed(url, model, p, MAX_TOKENS, 0) for p in ps]
     deadline = time.monotonic() + 120
@@ -377,6 +379,9 @@ def paused_over_http(url: str, model: str, ps: list[list[int]], mode: str, clear
         if (any(s.tokens for s in streams) and lane_before["inflight"]
                 and jobs_taken(lane_before) > first):
             break
+        if all(not s.thread.is_alive() for s in streams):
+            assert not any(s.error for s in streams), [s.error for s in streams]
+            return None
         assert time.monotonic() < deadline, f"no pause point after 120 s: {lane_before}"
         time.sleep(0.02)
     pause = admin(url, "/pause", timeout_s=120, mode=mode, clear_cache=str(clear_cache).lower())
@@ -432,20 +437,26 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
                       ("wait", True, lambda: http_transfer(srv.url, trainer, update)),
                       ("abort", True, None))
             for k, (mode, clear_cache, while_paused) in enumerate(phases):
-                # On a loaded machine the P jobs seen in flight can finish before the `/pause`
-                # call reaches the engine, and then the pause meets no P work: try again with
-                # new prompts (not for `wait`, whose update would then precede the next try).
-                attempts = 1 if while_paused is not None else 3
-                for attempt in range(attempts):
+                # On a loaded machine the polls can miss every point at which P jobs are in
+                # flight, or the P jobs seen in flight can finish before the `/pause` call
+                # reaches the engine (the pause then meets no P work): try again with new
+                # prompts. A missed pause point is retried in every mode (nothing was paused);
+                # a pause that met no P work only where nothing ran while paused (for `wait`
+                # the update would then precede the next try).
+                for attempt in range(4):
                     ps = prompts(10 + k + 10 * attempt)
                     run = paused_over_http(srv.url, tiny_model, ps, mode, clear_cache,
                                            while_paused)
+                    if run is None:
+                        print(mode, "no pause point seen before the requests finished; again")
+                        continue
                     lane, kv = settled(srv.url, tiny_model)
                     print(mode, "tokens at the pause:", [len(f) for f in run["frozen"]],
                           "lane:", lane, "KV usage:", kv, "idle:", idle_kv)
-                    if met_p_work(run) or attempt == attempts - 1:
+                    if met_p_work(run) or while_paused is not None:
                         break
                     print(mode, "the pause met no P work; again with new prompts")
+                assert run is not None, f"{mode}: no pause point in 4 tries"
                 check_http_pause(run, mode, ps, reference, weights)
                 assert len(lane) == 2 and all(r.get(INFLIGHT, 0) == 0 for r in lane.values()), \
                     (mode, lane)
