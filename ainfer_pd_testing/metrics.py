@@ -29,3 +29,14 @@ def settled_rank_metrics(url: str, model: str, dp_size: int, timeout_s: float = 
             return dict(sorted(ranks.items(), key=lambda item: int(item[0])))
         previous = ranks
         time.sleep(2.0)
+
+
+def kv_usage(text: str) -> dict[str, float]:
+    """`vllm:kv_cache_usage_perc` per engine (DP rank) from `/metrics`' text: 0.0 where no block
+    is held (prefix-cached blocks that no request holds count as free)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            out[engine] = float(line.rsplit(" ", 1)[1])
+    return out

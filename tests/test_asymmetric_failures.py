@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 from ainfer_pd_testing.collective_log import first_divergence, read_logs
+from ainfer_pd_testing.faults import WITH_LOG
 from ainfer_pd_testing.parity import compare, offline_llm, parity_waves, run_waves
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 16
-EXTENSION = "ainfer_pd_testing.faults.FaultsAndCollectiveLog"
 # K=1: one boundary a round, so rank 1 fails at boundary 3 while rank 0 is parked at it.
 LANE = {"ainfer_pd": {"p_lane_min_tokens": 32, "segment_policy": "fixed", "p_host": "concurrent",
                       "timeout_s": 60.0}}
@@ -43,7 +43,7 @@ def test_tp2_one_rank_fails_while_the_other_goes_on(tiny_model, tmp_path):
     with offline_llm(tiny_model, 2) as stock:
         stock_out = [run_waves(stock, w, MAX_TOKENS) for w in waves]
         with offline_llm(tiny_model, 2, backend="ainfer_pd", additional_config=LANE,
-                         worker_extension_cls=EXTENSION) as ours:
+                         worker_extension_cls=WITH_LOG) as ours:
             llm = ours.llm
             llm.collective_rpc("start_collective_log", args=(prefix,))
             lanes, ours_out = [], []

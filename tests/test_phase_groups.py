@@ -160,6 +160,13 @@ def _scenarios_rank(rank: int, world_size: int, port: int) -> dict:
     moe_phase.install_group_view(None)
     out["shared"] = _crossed_orders(config, rank, world_size)
 
+    # 4a. Rank 1 shuts down (then leaves): its P communicators are destroyed, within the bound.
+    if rank == 1:
+        live = dict(groups.groups)
+        state.close(timeout_s=GONE_TIMEOUT_S, rank=rank)
+        out["closed"] = (groups.groups == {}
+                         and all(not hasattr(g, "device_group") for g in live.values()))
+
     # 4. A peer gone mid-rebuild: rank 1 leaves; rank 0's rebuild (new communicators over the
     # world, whose creation waits for rank 1 with gloo's 30-minute default) must end with the
     # lane's named error within the bound instead.
@@ -207,6 +214,10 @@ def test_a_peer_gone_mid_rebuild_ends_the_rebuild_with_a_named_error_within_the_
                            "and re-created on every rank (rank 0, epoch None): not done after "
                            "3 s"), what
     assert GONE_TIMEOUT_S <= waited < GONE_TIMEOUT_S + 10, waited
+
+
+def test_shutdown_destroys_p_groups_within_the_bound(scenarios):
+    assert scenarios[1]["closed"] is True, scenarios[1]
 
 
 def test_negative_control_shared_communicators_pair_p_with_d(scenarios):

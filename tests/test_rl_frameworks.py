@@ -32,6 +32,7 @@ import pytest
 
 from ainfer_pd_testing import faults
 from ainfer_pd_testing.dev_server import SERVER_ENV, admin, collective_rpc
+from ainfer_pd_testing.metrics import kv_usage
 from ainfer_pd_testing.parity import ServerRunner, compare, offline_llm
 from ainfer_pd_testing.pause_resume import (
     judge_continuations,
@@ -322,16 +323,6 @@ def http_transfer(url: str, trainer: Trainer, new: Weights) -> None:
     trainer.send(new)  # the store keeps the tensors until every DP rank's worker reads them
     admin(url, "/update_weights", {"update_info": Trainer.update_info(new)})
     admin(url, "/finish_weight_update")
-
-
-def kv_usage(text: str) -> dict[str, float]:
-    """`vllm:kv_cache_usage_perc` per engine (DP rank)."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc{"):
-            engine = line.split('engine="', 1)[1].split('"', 1)[0]
-            out[engine] = float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def settled(url: str, model: str, timeout_s: float = 30.0) -> tuple[dict, dict]:

@@ -20,7 +20,7 @@ import pytest
 from ainfer_pd_testing import faults
 from ainfer_pd_testing.collective_log import first_divergence, read_logs
 from ainfer_pd_testing.dev_server import SERVER_ENV, collective_rpc
-from ainfer_pd_testing.metrics import settled_rank_metrics
+from ainfer_pd_testing.metrics import kv_usage, settled_rank_metrics
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import read_metrics_text, scrape
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
@@ -316,6 +316,10 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
     assert len(ranks) == 2 and later[0] == later[1] > n + 1 and done >= 4, ranks
     assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
+    # Epoch 0 failed before any P collective: nothing retired. Rank 1's replay of epoch n ran
+    # its MoE collectives on P's own communicators inside a failed epoch, so its state retired
+    # and every rank rebuilt it once, in the same round (docs/deepep.md, "Lifecycle").
+    assert [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks] == [1, 1], ranks
 
     # Then rank 1 alone fails inside its forward, before its fourth P collective (an MoE
     # dispatch or combine at its own batch shape), with rank 0's P going on: rank 1 replays
@@ -348,6 +352,19 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     assert any(e.startswith("P dispatch") for e in logs[0]), logs[0][:40]
     assert len(logs[0]) == len(logs[1]) and first_divergence(logs) is None, \
         first_divergence(logs)
+
+    # The epochs after the failures: a wave with no fault matches stock, and once it drained no
+    # KV block is held on either rank (failed jobs' blocks freed, none leaked).
+    done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
+    waves = parity_waves(vocab_size=512, seed=3)
+    prompts = [p for wave in waves for p in wave]
+    report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
+                     run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
+    print("after the failures:", report)
+    assert report.fail == 0, report
+    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
+    assert sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks) > done, ranks
+    assert kv_usage(read_metrics_text(srv.url)) == {"0": 0.0, "1": 0.0}
 
 
 def test_serve_dp2_over_two_hosts_takes_the_cross_host_rendezvous(stock, server, tiny_model,

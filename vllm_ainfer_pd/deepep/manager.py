@@ -225,6 +225,15 @@ class PhaseEP:
                 "groups": self.groups.describe() if self.groups is not None else None,
                 "sizes": self.buffers.sizes.describe() if self.buffers is not None else None}
 
-    def close(self) -> None:
-        if self.buffers is not None:
-            self.buffers.destroy()
+    def close(self, *, timeout_s: float, rank: int) -> None:
+        """At shutdown: P's buffer and P's communicators destroyed, bounded by `timeout_s` (a
+        DeepEP destroy syncs the device and waits in an NVLink barrier for its peers)."""
+
+        def destroy() -> None:
+            if self.buffers is not None:
+                self.buffers.destroy()
+            if self.groups is not None:
+                self.groups.destroy()
+
+        bounded(f"P's expert-parallel state ({self.kind}) to be destroyed at shutdown", destroy,
+                timeout_s, rank)
