@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def measured(report: dict, backend: str) -> dict[str, float]:
                      "p_tokens_per_epoch": c[PREFIX + "p_tokens_total"] / max(1.0, epochs),
                      "rank_utilisation": c[PREFIX + "epoch_all_rank_tokens_total"]
                      / max(1.0, DP * c[PREFIX + "epoch_max_rank_tokens_total"])})
-    return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
 def modelled(trace, lane: dict) -> dict[str, float]:

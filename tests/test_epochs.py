@@ -53,3 +53,23 @@ def test_a_cancel_reports_a_queued_job_at_once_and_a_running_one_with_its_epoch(
     assert [(j.req_id, j.start, failed) for j, failed in reports] == [("a", 100, False)]
     assert epochs.stats.jobs_cancelled == 2 and epochs.stats.jobs_done == 0
     assert epochs.take_reports() == [] and not epochs.cancelled
+
+
+def test_jobs_about_to_decode_count_from_their_epoch_until_the_step_after_their_report():
+    """The epoch gate's decode rows include lane jobs whose requests D runs within a round or
+    two: an epoch's end alone must not look like an idle D (which opens the next epoch at once).
+    Failed and cancelled jobs never decode from the lane."""
+    epochs = _epochs(100)
+    epochs.accept(PLaneMetadata(new_jobs=[_job("a", 30), _job("b", 30), _job("c", 150)]))
+    assert epochs.awaiting_decode() == 0  # queued only: nothing will decode soon
+    epochs.open()  # a, b and c's first 40 tokens
+    assert epochs.awaiting_decode() == 2  # c's rest is still queued
+    epochs.accept(PLaneMetadata(cancelled=[("b", 0)]))
+    epochs.finish(epochs.close())  # reported with the epoch; b as cancelled
+    assert epochs.awaiting_decode() == 1
+    assert len(epochs.take_reports()) == 2
+    assert epochs.awaiting_decode() == 1  # handed over: vLLM promotes a in its next schedule
+    assert epochs.take_reports() == [] and epochs.awaiting_decode() == 0
+    epochs.open()
+    epochs.fail(epochs.close())
+    assert epochs.awaiting_decode() == 0 and [f for _, f in epochs.take_reports()] == [True]

@@ -168,7 +168,10 @@ class EpochGate:
     every rank the forward of the fullest one: opening as soon as any rank has work runs
     epochs mostly empty. The gate opens once the queued lane tokens over all ranks reach
     `fill` x (DP size x the step budget), or the oldest queued work has waited `deadline_rounds`
-    rounds, or no rank has decode rows (nothing runs beside P then, waiting buys nothing).
+    rounds, or no rank has decode rows (nothing runs beside P then, waiting buys nothing). The
+    lane counts as decode rows its jobs whose requests D runs within a round or two (the open or
+    just-ended epoch's, reported and not yet promoted), so an epoch's end alone does not read as
+    an idle D and open a near-empty epoch at once.
     `fill=0` opens at once (no gate). At DP=1 there are no peers to wait for: the gate is not
     used.
     """

@@ -1,5 +1,5 @@
 """Two more rows in vLLM's per-forward DP synchronisation: each DP rank's queued P tokens and
-its decode rows.
+its decode rows (the forward's, plus the lane's jobs about to decode: `Epochs.awaiting_decode`).
 
 At DP > 1, vLLM all-reduces a small [4, dp_size] int32 tensor before every forward, real or
 dummy, on every DP rank (`vllm.v1.worker.dp_utils._run_ar`: tokens, padded tokens,

@@ -133,7 +133,7 @@ class AInferPDWorker(_platform_worker_cls()):
         lane.before_d()
         lane.d_rows = len(scheduler_output.num_scheduled_tokens)  # read by this forward's DP sync
         output = super().execute_model(scheduler_output)
-        round_end = (self._load(scheduler_output), d_tokens)
+        round_end = (self._load(len(scheduler_output.num_scheduled_tokens)), d_tokens)
         if output is None:
             # vLLM samples and drafts in the `sample_tokens` call that follows: the same D
             # iteration, so P stays parked until the drafter's last enqueue.
@@ -156,20 +156,21 @@ class AInferPDWorker(_platform_worker_cls()):
         lane.before_d()
         lane.d_rows = 0
         super().execute_dummy_batch()  # vLLM's dummy forward runs the drafter's dummy too
-        self._end_round(None, 0)
+        # No D rows here, but P's pressure is real: an epoch opened in dummy rounds (no rank
+        # decoding) takes the large spans an idle D allows, not one layer per round.
+        self._end_round(self._load(0), 0)
 
     def _end_round(self, load, d_tokens: int) -> None:
         self.p_lane.after_d(load, d_tokens)
         self._maybe_log_summary()
 
-    def _load(self, scheduler_output):
+    def _load(self, rows: int):
         """Load for the segment policy: the step's D rows over the batch size, P work not yet
         issued (queued jobs and the rest of the open epoch) and the epoch this round releases,
         both over the step's token budget. Equal on the TP ranks of a replica; at DP > 1 the lane
         shares the max over ranks in its rendezvous."""
         from vllm_ainfer_pd.turnstile import Load
 
-        rows = len(scheduler_output.num_scheduled_tokens)
         budget = self.vllm_config.scheduler_config.max_num_batched_tokens
         return Load(d_occupancy=min(rows / self._max_num_seqs, 1.0),
                     p_pressure=self.p_lane.p_work_tokens() / budget,

@@ -68,6 +68,7 @@ class Epochs:
         self.current: Epoch | None = None  # the open epoch
         self.finishing: list[Epoch] = []  # finished on the host; GPU work may still run
         self.reports: list[Report] = []  # (job, failed) ready for the connector
+        self.handed = 0  # completed jobs the last `take_reports` handed over (promoted next step)
         self._next_id = 0
 
     def accept(self, meta: PLaneMetadata) -> None:
@@ -92,10 +93,21 @@ class Epochs:
         """Jobs whose P work has drained (completed, cancelled or failed), each reported once."""
         self.collect_finished()
         out, self.reports = self.reports, []
+        self.handed = sum(1 for job, failed in out if not failed and job.key not in self.cancelled)
         for job, _ in out:
             self.cancelled.discard(job.key)
         self.stats.inflight = self._inflight()
         return out
+
+    def awaiting_decode(self) -> int:
+        """Jobs whose requests D runs within a round or two: the open epoch's, those of ended
+        epochs (draining, or reported and not yet handed over), and those the last step handed
+        over (vLLM promotes them in its next schedule). The epoch gate counts them as decode
+        rows, so an epoch's end alone does not look like an idle D (`round_plan.EpochGate`)."""
+        jobs = [job for job, failed in self.reports if not failed]
+        jobs += [job for e in self.finishing if not e.failed for job in e.jobs]
+        jobs += self.current.jobs if self.current is not None else []
+        return self.handed + sum(job.key not in self.cancelled for job in jobs)
 
     def queued_tokens(self) -> int:
         return tokens(self.pending)
