@@ -101,6 +101,9 @@
 #   bench1marks TP=1 rollout, stock, pd and pd_layer (p_stream_marks="layer": a timing event on
 #              P's stream after every layer), $BENCH1X_REPS repetitions each (default 3); output
 #              bench1marks_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
+#   bench1free TP=1 rollout, stock, pd and pd_free (ordering="free": no ordering at one rank) or
+#              $BENCH1X_ONLY among those and pd_free_layer; output bench1free_$BENCH1X_TAG
+#   tp1free    TP=1 bf16 batch-invariant lane parity with ordering="free"
 #   bench1eagle TP=1 rollout, stock and pd, both with a random EAGLE head for the gpu preset (made on
 #              the machine; every draft is rejected, in both): TPOT with drafting inside the round;
 #              output bench1eagle_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
@@ -177,6 +180,10 @@ V_PD_LAYER='pd_layer={"ainfer_pd": {"p_stream_marks": "layer", "overlap_timing":
 # The epoch gate at DP > 1 (epoch_gate_fill / epoch_gate_rounds; every prompt through the lane).
 V_PD_GATE='pd_gate={"ainfer_pd": {"epoch_gate_fill": 0.8, "epoch_gate_rounds": 96, "p_lane_min_tokens": 2, "overlap_timing": true}}'
 V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
+# No ordering at one rank (ordering="free"): P runs each epoch through, D never waits for it;
+# with a timing event after every layer too.
+V_PD_FREE='pd_free={"ainfer_pd": {"ordering": "free", "overlap_timing": true}}'
+V_PD_FREE_LAYER='pd_free_layer={"ainfer_pd": {"ordering": "free", "p_stream_marks": "layer", "overlap_timing": true}}'
 TP2_COMPILE='--serve-arg=--compilation-config={"pass_config":{"fuse_allreduce_rms":false}}'
 
 compare() {  # name gpus args...   (one `rollout compare`; SIGINT at the limit still writes a report)
@@ -367,6 +374,11 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
                --variant "$V_PD_DHIGH" --variant "$V_PD_LAYER" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     bench1marks) compare bench1marks_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_LAYER" \
                    --reps ${BENCH1X_REPS:-3} --only ${BENCH1X_ONLY:-stock,pd,pd_layer} ;;
+    bench1free) compare bench1free_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_FREE" \
+                  --variant "$V_PD_FREE_LAYER" --reps ${BENCH1X_REPS:-3} \
+                  --only ${BENCH1X_ONLY:-stock,pd,pd_free} ;;
+    tp1free) VLLM_BATCH_INVARIANT=1 parity tp1_bfloat16_bi_free 0 --model .gpu/tiny --tp 1 \
+               --dtype bfloat16 --additional-config '{"ainfer_pd": {"p_lane_min_tokens": 32, "ordering": "free"}}' ;;
     bench1eagle) python3 -m vllm_ainfer_pd.models --preset gpu --eagle --out /tmp/gpu-eagle \
                    > /tmp/gpu-logs/gpu-eagle.log 2>&1 || { echo "== no EAGLE drafter"; continue; }
                  compare bench1eagle_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --only stock,pd \

@@ -234,6 +234,25 @@ def test_a_layout_the_lane_cannot_run_is_named_and_runs_without_the_lane(vllm_co
     assert AInferPDExecutor.validate(vllm_config).mode == "normal"
 
 
+@pytest.mark.parametrize(("field", "value"), [("tensor_parallel_size", 2),
+                                              ("data_parallel_size", 2)])
+def test_free_ordering_is_refused_on_an_engine_of_several_ranks_and_on_the_cpu(vllm_config,
+                                                                               field, value):
+    """P may run unordered against D only where it issues no collective (one rank), and only
+    on a GPU: on the CPU P's compute would run beside D's on the same cores."""
+    from vllm_ainfer_pd.executor import AInferPDExecutor
+
+    vllm_config.additional_config = {"ainfer_pd": {"ordering": "free"}}
+    with pytest.raises(ConfigError, match=r"^ainfer_pd.ordering='free' runs P's kernels beside "
+                                          r"D's on a GPU; on the CPU use ordering='fine'$"):
+        AInferPDExecutor.validate(vllm_config)
+    setattr(vllm_config.parallel_config, field, value)
+    with pytest.raises(ConfigError, match=rf"ainfer_pd.ordering='free' runs P unordered against "
+                                          rf"D, which needs an engine of one rank; this one has "
+                                          rf"tensor_parallel_size=\d x data_parallel_size=\d"):
+        AInferPDExecutor.validate(vllm_config)
+
+
 def test_the_stateless_all2all_backend_and_single_dp_expert_parallelism_run_the_lane(
         vllm_config):
     """vLLM's all-to-all kernels run only across DP ranks; the default backend keeps no state."""

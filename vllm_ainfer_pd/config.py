@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("pd", "normal")
-ORDERINGS = ("fine", "global-enqueue", "global-complete")
+ORDERINGS = ("fine", "global-enqueue", "global-complete", "free")
 SEGMENT_POLICIES = ("fixed", "load", "work")
 RENDEZVOUS = ("auto", "shm", "gloo")
 P_HOSTS = ("auto", "concurrent", "handoff")
@@ -47,6 +47,7 @@ class AInferPDConfig:
     # ordering ladder), how many layer boundaries one release lets P pass (K, or chosen per round
     # from D occupancy and P pressure), the CPU rendezvous between ranks, and the bound on every
     # distributed wait (a hang becomes an error naming the rank and what it waited for).
+    # `free` (an engine of one rank only): P runs each epoch through without parking.
     ordering: str = "fine"
     # `load` is what the GPU benchmarks measured as `pd` (benchmarks/RESULTS.md);
     # `segment_span` is K for `fixed` only.

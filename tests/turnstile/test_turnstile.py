@@ -237,8 +237,10 @@ def test_ordering_modes_differ_only_in_span_and_fence():
     assert OrderingMode.parse("fine").span(FixedSpan(3)) == 3
     assert OrderingMode.parse("global-enqueue").span(FixedSpan(3)) == UNBOUNDED
     assert OrderingMode.GLOBAL_COMPLETE.span(LoadSelectedSpan()) == UNBOUNDED  # no Load needed
-    assert [m.fences_device for m in OrderingMode] == [True, False, False]
-    with pytest.raises(ValueError, match=r"'coarse'.*global-complete, global-enqueue, fine"):
+    assert OrderingMode.FREE.span(LoadSelectedSpan()) == UNBOUNDED
+    assert [m.fences_device for m in OrderingMode] == [True, False, False, False]
+    assert [m.waits_for_p for m in OrderingMode] == [True, True, True, False]
+    with pytest.raises(ValueError, match=r"'coarse'.*global-complete, global-enqueue, fine, free"):
         OrderingMode.parse("coarse")
 
 

@@ -73,7 +73,12 @@ class AInferPDExecutor(MultiprocExecutor):
                               "KV connector, and the P lane runs in vLLM's KV-connector slot; "
                               "use mode='normal'")
         if config.p_lane_enabled:
-            check_lane_parallelism(parallel)
+            check_lane_parallelism(parallel, config)
+            if config.ordering == "free" and vllm_config.device_config.device_type == "cpu":
+                # P's compute would run beside D's on the same cores, and vLLM's CPU kernels are
+                # not made for two threads at once (its fused MoE crashed so here).
+                raise ConfigError("ainfer_pd.ordering='free' runs P's kernels beside D's on a "
+                                  "GPU; on the CPU use ordering='fine'")
             attention_backends.check_config(vllm_config)
         scheduler_cls = vllm_config.scheduler_config.scheduler_cls
         if scheduler_cls not in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
@@ -95,14 +100,22 @@ class AInferPDExecutor(MultiprocExecutor):
         super()._init_executor()
 
 
-def check_lane_parallelism(parallel) -> None:
+def check_lane_parallelism(parallel, config: AInferPDConfig) -> None:
     """The layouts the P lane cannot run, named. Context parallelism splits each request's KV over
     ranks, which the lane's own attention metadata (`worker/p_batch.py`) does not describe. With
     expert parallelism across DP ranks (vLLM's all-to-all kernels), P's dispatch runs beside D's,
     so each phase needs its own all-to-all state (docs/deepep.md): the stateless backend and
     DeepEP have it, every other backend is refused by name (`deepep.manager.select_backend`).
     Expert load balancing moves expert weights after a D step, while a P epoch may be parked
-    between layers with kernels still queued on its stream."""
+    between layers with kernels still queued on its stream. `ordering="free"` lets P run
+    unordered against D, which only an engine of one rank may: elsewhere P shares collectives
+    (or the DP synchronisation) with its peers."""
+    ranks = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if config.ordering == "free" and ranks != 1:
+        raise ConfigError(f"ainfer_pd.ordering='free' runs P unordered against D, which needs an "
+                          f"engine of one rank; this one has tensor_parallel_size="
+                          f"{parallel.tensor_parallel_size} x data_parallel_size="
+                          f"{parallel.data_parallel_size}; use ordering='fine'")
     if parallel.enable_eplb:
         raise ConfigError("ainfer_pd mode='pd' does not run expert load balancing "
                           "(--enable-eplb): it moves expert weights under a parked P epoch; "

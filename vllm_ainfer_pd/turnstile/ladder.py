@@ -10,6 +10,12 @@
 
 Only the span and the fence differ; epochs, boundaries, rendezvous and permits follow the same
 rules, so the three modes are a matched control for boundary granularity.
+
+- `free`: no ordering at all, for an engine of one rank (TP = DP = PP = 1), where P issues no
+  collective and so has nothing to order against D: P runs its whole epoch without parking and
+  D never waits for it (no rendezvous, no permit to reach). The device still orders what must be
+  ordered: P's stream waits for D's work before each epoch, and D reads P's KV only once P's
+  event completed (docs/worker.md).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ class OrderingMode(str, enum.Enum):
     GLOBAL_COMPLETE = "global-complete"
     GLOBAL_ENQUEUE = "global-enqueue"
     FINE = "fine"
+    FREE = "free"
 
     @classmethod
     def parse(cls, value: str | OrderingMode) -> OrderingMode:
-        """Accept a mode or its name ("fine", "global-enqueue", "global-complete")."""
+        """Accept a mode or its name ("fine", "global-enqueue", "global-complete", "free")."""
         try:
             return cls(value)
         except ValueError:
@@ -40,11 +47,17 @@ class OrderingMode(str, enum.Enum):
         return self is OrderingMode.FINE
 
     @property
+    def waits_for_p(self) -> bool:
+        """False in `free`: D never waits for P to stop, and no round meets the other ranks."""
+        return self is not OrderingMode.FREE
+
+    @property
     def fences_device(self) -> bool:
         """True when D waits for the P epoch's device completion before its rendezvous."""
         return self is OrderingMode.GLOBAL_COMPLETE
 
     def span(self, policy: SegmentPolicy, load: Load | None = None) -> float:
-        """The span a release uses: `policy.span(load)` in `fine`; UNBOUNDED in the global modes,
-        which release the rest of the epoch at once and never consult the policy."""
+        """The span a release uses: `policy.span(load)` in `fine`; UNBOUNDED in the global modes
+        and in `free`, which release the rest of the epoch at once and never consult the
+        policy."""
         return policy.span(load) if self.segmented else UNBOUNDED

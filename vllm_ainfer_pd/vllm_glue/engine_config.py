@@ -14,7 +14,7 @@ PATCHES = [
     Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; V2 runner and "
           "LoRA are refused", uses=("kv_transfer_config", "use_v2_model_runner", "lora_config",
                                     "additional_config", "attention_config",
-                                    "speculative_config"), does="sets"),
+                                    "speculative_config", "device_config"), does="sets"),
     Patch("vllm.config:SchedulerConfig", "the planner's scheduler class; a connector without "
           "hybrid-KV support needs the hybrid KV cache manager off",
           uses=("scheduler_cls", "async_scheduling", "disable_hybrid_kv_cache_manager",

@@ -89,8 +89,10 @@ class PLane(LaneRound):
         self.config = config
         self.rank = rank
         self.stats = LaneStats()
-        self.handoff = config.p_host == "handoff" or (
-            config.p_host == "auto" and runner.device.type != "cuda")
+        # `free` ordering (one rank): P runs each epoch through beside D, never handed off.
+        self.free = config.ordering == "free"
+        self.handoff = not self.free and (config.p_host == "handoff" or (
+            config.p_host == "auto" and runner.device.type != "cuda"))
         self._switch_interval = sys.getswitchinterval()
         self.overlap = (OverlapMeter() if config.overlap_timing and runner.device.type == "cuda"
                         else None)
@@ -114,6 +116,9 @@ class PLane(LaneRound):
         self.epochs = Epochs(budget, self.stats, rank, config.timeout_s)
         self.faults: FaultHooks | None = None
         world_size = self.turnstile.rendezvous.world_size
+        if self.free and world_size > 1:
+            raise ProtocolError("ordering='free' needs an engine of one rank", rank=rank,
+                                epoch=None, detail=f"{world_size} ranks share P's collectives")
         # Peers share P's collectives: a failure on this rank replays them (p_thread.py) until
         # the round plan ends the epoch on every rank.
         self.p_thread.replay_failures = world_size > 1
@@ -129,7 +134,8 @@ class PLane(LaneRound):
         self.d_rows = 0  # this forward's decode rows (set by the worker before each forward)
         if self.synced:
             dp_sync.install()
-            dp_sync.set_source(lambda: (self.epochs.next_epoch_tokens(), self.d_rows))
+            dp_sync.set_source(lambda: (self.epochs.next_epoch_tokens(),
+                                        self.d_rows + self.epochs.awaiting_decode()))
         self.ranks_per_dp = world_size // dp_size
         self.dp_rank = rank // self.ranks_per_dp  # world ranks run DP-major
         self._pre: list[PreD] = []  # every rank's pre-D payload of this round
@@ -194,11 +200,11 @@ class PLane(LaneRound):
 
     def before_d(self) -> None:
         epoch = self.epochs.current
-        if epoch is not None and not self.handoff:
+        if epoch is not None and not self.handoff and not self.free:
             self._wait_for_p()  # P's segment ran beside D's step; D waits for its stop here
         if self.overlap is not None and (epoch is not None or self.epochs.finishing):
             self.overlap.start("d")
-        if epoch is None:
+        if epoch is None or self.free:
             return
         if self.faults is not None:
             self.faults.before_pre_d(self.rank, self.turnstile.rendezvous.round,
@@ -217,6 +223,9 @@ class PLane(LaneRound):
             self.stats.p_device_s += p_s
             self.stats.p_overlap_s += overlap_s
         load = load or Load()
+        if self.free:
+            self._free_round(load, d_tokens)
+            return
         epoch_open = self.epochs.current is not None
         if not epoch_open:
             if not self.synced:
@@ -253,6 +262,19 @@ class PLane(LaneRound):
         else:
             return
         self._released(d_tokens)
+
+    def _free_round(self, load: Load, d_tokens: int) -> None:
+        """`free` ordering (one rank, no peers to agree with): the epoch ends once P's thread
+        stopped (its whole forward enqueued, failed, or cancelled), and the next opens at once."""
+        epoch = self.epochs.current
+        if epoch is not None:
+            state = self.controller.status().state
+            if state is TaskState.RUNNING:
+                return
+            self._end_epoch(failed=state is not TaskState.DONE or epoch.error is not None)
+        if self.epochs.pending:
+            self._open_epoch(load)
+            self._released(d_tokens)
 
     def _released(self, d_tokens: int) -> None:
         """A segment was released (or an epoch opened with its first one)."""
