@@ -251,9 +251,9 @@ def test_free_ordering_is_refused_on_an_engine_of_several_ranks_and_on_the_cpu(v
                                           r"D's on a GPU; on the CPU use ordering='fine'$"):
         AInferPDExecutor.validate(vllm_config)
     setattr(vllm_config.parallel_config, field, value)
-    with pytest.raises(ConfigError, match=rf"ainfer_pd.ordering='free' runs P unordered against "
-                                          rf"D, which needs an engine of one rank; this one has "
-                                          rf"tensor_parallel_size=\d x data_parallel_size=\d"):
+    with pytest.raises(ConfigError, match=r"ainfer_pd.ordering='free' runs P unordered against "
+                                          r"D, which needs an engine of one rank; this one has "
+                                          r"tensor_parallel_size=\d x data_parallel_size=\d"):
         AInferPDExecutor.validate(vllm_config)
 
 

@@ -283,6 +283,16 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
                               "--worker-extension-cls", faults.WITH_LOG], 2,
                  "ours-dp2-ep-fail", env=SERVER_ENV)
     ours = ServerRunner(srv.url, tiny_model)
+
+    def fresh_wave_matches_stock(seed: int, what: str) -> None:
+        """Prompts no earlier request cached, on stock and ours: tokens equal by the tie rule."""
+        waves = parity_waves(vocab_size=512, seed=seed)
+        prompts = [p for wave in waves for p in wave]
+        report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
+                         run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
+        print(what, report)
+        assert report.fail == 0, report
+
     prefix = str(tmp_path / "collectives")
     collective_rpc(srv.url, "start_collective_log", prefix=prefix)
 
@@ -302,12 +312,7 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     # The next epoch (numbered by the epochs both ranks have opened) fails on rank 1 alone.
     n = int(epochs[0])
     assert faults.inject_over_http(srv.url, fail_epoch=f"{n}@1") == [{"rank": 0}]
-    waves = parity_waves(vocab_size=512, seed=1)  # prompts no earlier request cached
-    prompts = [p for wave in waves for p in wave]
-    report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
-                     run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
-    print("rank 1 alone:", report)
-    assert report.fail == 0, report
+    fresh_wave_matches_stock(1, "rank 1 alone:")
     log = srv.log_text()
     assert f"P epoch {n} on rank 1 failed" in log and "fails on rank 1 while" in log, log[-4000:]
     assert f"P epoch {n} on rank 0 failed" not in log, log[-4000:]
@@ -331,12 +336,7 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     m = int(later[0])
     rebuilds = [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks]
     assert faults.inject_over_http(srv.url, fail_at=f"{m}@1:c3") == [{"rank": 0}]
-    waves = parity_waves(vocab_size=512, seed=2)
-    prompts = [p for wave in waves for p in wave]
-    report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
-                     run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
-    print("rank 1 alone, inside its forward:", report)
-    assert report.fail == 0, report
+    fresh_wave_matches_stock(2, "rank 1 alone, inside its forward:")
     log = srv.log_text()
     assert f"P epoch {m} on rank 1 failed" in log and "before its collective 3" in log, \
         log[-4000:]
@@ -357,12 +357,7 @@ def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, 
     # The epochs after the failures: a wave with no fault matches stock, and once it drained no
     # KV block is held on either rank (failed jobs' blocks freed, none leaked).
     done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
-    waves = parity_waves(vocab_size=512, seed=3)
-    prompts = [p for wave in waves for p in wave]
-    report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
-                     run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
-    print("after the failures:", report)
-    assert report.fail == 0, report
+    fresh_wave_matches_stock(3, "after the failures:")
     ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
     assert sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks) > done, ranks
     assert kv_usage(read_metrics_text(srv.url)) == {"0": 0.0, "1": 0.0}
