@@ -60,7 +60,8 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
             env = {**env, HOST_ID_ENV: "host-a"}
         with VllmServer(model, args, env, name=f"parity-{lane['mode']}") as srv:
             up = time.time() - start
-            out = run_waves(ServerRunner(srv.url, model), waves, max_tokens)
+            out = run_waves(ServerRunner(srv.url, model, timeout_s=_request_timeout_s(tp, dp)),
+                            waves, max_tokens)
             if host_b is not None:
                 extra = {"rendezvous": rendezvous_named(srv.log_text()),
                          "rollout": short_rollout(srv.url)}
@@ -72,6 +73,14 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
 
 
 HOST_ID_ENV = "VLLM_AINFER_PD_HOST_ID"
+
+
+def _request_timeout_s(tp: int, dp: int) -> float:
+    """How long a request may take. With 4 ranks on 2 cores each step takes seconds: vLLM's CPU
+    shared-memory all-gather of a TP group spins while it waits for its peer, and on these
+    cores the spinning rank of one DP replica shares a core with the rank the other replica's
+    spinner waits for (seen as several minutes per wave of the TP=2 x DP=2 launch)."""
+    return 1800.0 if tp * dp >= 4 else 300.0
 
 
 @contextlib.contextmanager
@@ -133,7 +142,7 @@ def short_rollout(url: str) -> dict:
     trace = Trace((Trajectory("a", (Turn(120, 6), Turn(40, 8, 0.1))),
                    Trajectory("b", (Turn(300, 12), Turn(60, 4, 0.0))),
                    Trajectory("c", (Turn(200, 9),), start_s=0.2)))
-    result = replay(trace, ReplayConfig(url, wait_scale=1.0, progress=False))
+    result = replay(trace, ReplayConfig(url, wait_scale=1.0, timeout_s=1800.0, progress=False))
     return {"requests": trace.num_requests, "ok": sum(r.ok for r in result.records),
             "errors": [r.error for r in result.records if not r.ok]}
 

@@ -90,15 +90,39 @@ def test_every_symbol_has_its_row_in_docs_vllm_glue_md():
 
 
 def test_the_shape_report_lists_every_symbol_and_names_each_difference(monkeypatch):
-    """`python -m vllm_ainfer_pd.vllm_glue`: how far another vLLM release is, all at once."""
+    """`python -m vllm_ainfer_pd.vllm_glue`: how far another vLLM release is, all at once (the
+    symbols of the installed release's code paths: a symbol of another release's is not
+    checked)."""
     from vllm.v1.worker import dp_utils
 
-    from vllm_ainfer_pd.vllm_glue import shape_report
+    from vllm_ainfer_pd.vllm_glue import installed_release, shape_report
 
     report = shape_report()
-    assert len(report) == len(all_patches()) and all(problem is None for _, problem in report)
+    release = installed_release()
+    this_release = [p for p in all_patches() if p.applies(release=release)]
+    other_release = [p for p in all_patches() if not p.applies(release=release)]
+    assert len(report) == len(this_release) and all(problem is None for _, problem in report)
+    assert other_release, "every symbol the same on every release the backend runs on"
     monkeypatch.setattr(dp_utils, "_run_ar", lambda tensor, group: None)
     problems = {patch.target: problem for patch, problem in shape_report() if problem}
     assert list(problems) == ["vllm.v1.worker.dp_utils:_run_ar"]
     assert problems["vllm.v1.worker.dp_utils:_run_ar"].startswith(
         "vLLM's vllm.v1.worker.dp_utils:_run_ar takes (tensor, group), but the backend")
+
+
+def test_a_symbol_of_one_vllm_release_is_checked_on_that_release_only(monkeypatch):
+    """A `Patch` with a `vllm` range applies to the releases in it; the start-up check of another
+    release passes over it, so a symbol that a later vLLM dropped stops neither release."""
+    import vllm_ainfer_pd.vllm_glue as glue
+
+    gone = glue.Patch("vllm.v1.worker.block_table:BlockTable", "dropped in a later release",
+                      uses=("no_such_field",), vllm="<0.26")
+    assert gone.applies(release="0.25.1") and not gone.applies(release="0.26.0")
+    assert glue.Patch("m:a", "w", vllm=">=0.32").applies(release="0.32.1.dev3")
+    with pytest.raises(GlueShapeError, match="has no no_such_field"):
+        gone.check()
+    patches = all_patches() + [gone]
+    monkeypatch.setattr(glue, "all_patches", lambda: patches)
+    check_vllm_shapes("0.26.0")  # passes over `gone`
+    with pytest.raises(GlueShapeError, match="no_such_field"):
+        check_vllm_shapes("0.25.0")

@@ -113,8 +113,8 @@ def _copy_groups() -> dict[str, Any]:
     for kind in P_OWNED:
         group = getattr(parallel_state, f"get_{kind}_group")()
         copies[kind] = parallel_state.init_model_parallel_group(
-            _as_lists(group.group_ranks), group.local_rank, group.torch_distributed_backend,
-            group_name=kind)
+            group_ranks=_as_lists(group.group_ranks), local_rank=group.local_rank,
+            backend=group.torch_distributed_backend, group_name=kind)
     return copies
 
 

@@ -12,7 +12,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_ainfer_pd import attention_backends
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
-from vllm_ainfer_pd.vllm_glue import check_vllm
+from vllm_ainfer_pd.vllm_glue import check_vllm, engine_config
 from vllm_ainfer_pd.vllm_glue.engine_config import raise_worker_start_errors
 
 WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
@@ -65,11 +65,12 @@ class AInferPDExecutor(MultiprocExecutor):
             # own thread and batch, would apply it to the wrong tokens.
             raise ConfigError("ainfer_pd mode='pd' does not run LoRA adapters (--enable-lora): "
                               "the P lane's forward has no adapter mapping; use mode='normal'")
-        if config.p_lane_enabled and vllm_config.model_config.enable_return_routed_experts:
+        if config.p_lane_enabled and engine_config.returns_routed_experts(vllm_config):
             # vLLM 0.26 refuses routed-expert capture beside any KV connector (VllmConfig checks
             # it again in EngineCore, after the model is loaded); the lane runs in that slot.
+            # vLLM 0.32 returns them from Model Runner V2 only, which the lane does not run.
             raise ConfigError("ainfer_pd mode='pd' cannot return routed experts "
-                              "(--enable-return-routed-experts): vLLM 0.26 refuses them beside a "
+                              "(--enable-return-routed-experts): vLLM refuses them beside a "
                               "KV connector, and the P lane runs in vLLM's KV-connector slot; "
                               "use mode='normal'")
         if config.p_lane_enabled:

@@ -29,7 +29,13 @@ from __future__ import annotations
 import logging
 
 from vllm_ainfer_pd import TESTED_VLLM_VERSIONS
-from vllm_ainfer_pd.vllm_glue.shapes import GlueShapeError, Patch, check_patches
+from vllm_ainfer_pd.vllm_glue.shapes import (
+    GlueShapeError,
+    Patch,
+    check_patches,
+    installed_release,
+    vllm_at_least,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +45,8 @@ def check_vllm(found: str) -> None:
     the symbol) where a vLLM symbol the backend patches or relies on differs from what its code
     assumes; a release other than the tested ones whose symbols all match runs, with a warning
     naming it. Local build tags (`+cpu`) are ignored."""
-    check_vllm_shapes()
     release = found.split("+")[0]
+    check_vllm_shapes(release)
     if release not in TESTED_VLLM_VERSIONS:
         logger.warning(
             "vllm-ainfer-pd was tested on vLLM %s; vLLM %s is installed and every one of the %d "
@@ -71,11 +77,14 @@ def all_patches() -> list[Patch]:
 
 
 def shape_report() -> list[tuple[Patch, str | None]]:
-    """Every patched or relied-on symbol with what its check finds in the installed vLLM (None:
-    it matches), for every platform: all at once what `check_vllm_shapes` would stop at first,
-    to see how far another vLLM release is (`python -m vllm_ainfer_pd.vllm_glue`)."""
+    """Every patched or relied-on symbol of the installed vLLM's release with what its check
+    finds (None: it matches), for every platform: all at once what `check_vllm_shapes` would stop
+    at first, to see how far another vLLM release is (`python -m vllm_ainfer_pd.vllm_glue`)."""
     report = []
+    release = installed_release()
     for patch in all_patches():
+        if not patch.applies(release=release):
+            continue
         try:
             patch.check()
             report.append((patch, None))
@@ -84,16 +93,16 @@ def shape_report() -> list[tuple[Patch, str | None]]:
     return report
 
 
-def check_vllm_shapes() -> None:
+def check_vllm_shapes(release: str | None = None) -> None:
     """Raise `GlueShapeError` (one line) if a vLLM symbol the backend patches or relies on differs
-    from what its code assumes. Symbols of one platform's code path are checked on that platform
-    only."""
+    from what its code assumes. Symbols of one platform's code path, or of one range of vLLM
+    releases, are checked there only (`release`: the installed vLLM's when None)."""
     from vllm.platforms import current_platform
 
     platform = ("cpu" if current_platform.is_cpu()
                 else "cuda" if current_platform.is_cuda() else current_platform.device_type)
-    check_patches(all_patches(), platform)
+    check_patches(all_patches(), platform, release or installed_release())
 
 
 __all__ = ["GlueShapeError", "Patch", "all_patches", "check_vllm", "check_vllm_shapes",
-           "shape_report"]
+           "installed_release", "shape_report", "vllm_at_least"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ainfer_pd.vllm_glue.shapes import Patch
+from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 _WHY_COMM = ("vLLM 0.26's CPU communicator lacks it, and the EP dispatch/combine of "
              "AgRsAll2AllManager calls it")
@@ -30,18 +30,19 @@ PATCHES = [
            "topk_group", "num_expert_group", "global_num_experts", "expert_map",
            "custom_routing_function", "scoring_func", "routed_scaling_factor",
            "e_score_correction_bias", "apply_router_weight_on_input", "activation"),
-          does="wraps", platform="cpu"),
+          does="wraps", platform="cpu", vllm="<0.32"),
     Patch("vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE", "the wrapped call "
           "runs stock's kernel on the mapped ids", uses=("forward_method",), does="calls",
-          platform="cpu"),
+          platform="cpu", vllm="<0.32"),
     Patch("vllm.model_executor.layers.fused_moe.cpu_fused_moe:select_experts",
           "the wrapped call routes as stock does before it maps expert ids",
           uses=("hidden_states", "router_logits", "use_grouped_topk", "top_k", "renormalize",
                 "topk_group", "num_expert_group", "custom_routing_function", "scoring_func",
                 "routed_scaling_factor", "e_score_correction_bias"),
-          does="calls", platform="cpu"),
+          does="calls", platform="cpu", vllm="<0.32"),
     Patch("vllm.model_executor.layers.fused_moe.activation:MoEActivation.SILU",
-          "the activation stock's CPU fused MoE defaults to", does="reads", platform="cpu"),
+          "the activation stock's CPU fused MoE defaults to", does="reads", platform="cpu",
+          vllm="<0.32"),
 ]
 
 _installed = False
@@ -52,13 +53,16 @@ def install() -> None:
     if _installed:
         return
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
-    from vllm.model_executor.layers.fused_moe import cpu_fused_moe
 
     CpuCommunicator.all_gatherv = _all_gatherv
     CpuCommunicator.reduce_scatterv = _reduce_scatterv
-    # CPUFusedMOE is the path for float32 and for bf16 without the AMX "SGL" kernel; the SGL kernel
-    # is picked only with VLLM_CPU_SGL_KERNEL=1, which the project does not set.
-    cpu_fused_moe.CPUFusedMOE.__call__ = _with_local_expert_ids(cpu_fused_moe.CPUFusedMOE.__call__)
+    if not vllm_at_least("0.32"):
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+
+        # CPUFusedMOE is the path for float32 and for bf16 without the AMX "SGL" kernel; the SGL
+        # kernel is picked only with VLLM_CPU_SGL_KERNEL=1, which the project does not set.
+        cpu_fused_moe.CPUFusedMOE.__call__ = _with_local_expert_ids(
+            cpu_fused_moe.CPUFusedMOE.__call__)
     _installed = True
 
 

@@ -8,7 +8,9 @@ connector without hybrid-KV support).
 
 from __future__ import annotations
 
-from vllm_ainfer_pd.vllm_glue.shapes import Patch
+from typing import Any
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 PATCHES = [
     Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; V2 runner and "
@@ -23,10 +25,16 @@ PATCHES = [
           uses=("worker_cls", "pipeline_parallel_size", "data_parallel_size",
                 "data_parallel_rank", "enable_expert_parallel", "all2all_backend", "enable_eplb",
                 "decode_context_parallel_size", "prefill_context_parallel_size"), does="sets"),
+    Patch("vllm.config:ModelConfig", "custom logits processors meet the model runner's own "
+          "refusals before any worker starts", uses=("logits_processors", "runner_type")),
     Patch("vllm.config:ModelConfig", "routed-expert capture (refused beside the lane's KV "
-          "connector by vLLM itself) is refused at validation; custom logits processors meet "
-          "the model runner's own refusals before any worker starts",
-          uses=("enable_return_routed_experts", "logits_processors", "runner_type")),
+          "connector by vLLM itself) is refused at validation",
+          uses=("enable_return_routed_experts",), vllm="<0.32"),
+    Patch("vllm.config:VllmConfig", "routed-expert capture is refused at validation (an "
+          "auxiliary output of Model Runner V2, which the lane does not run)",
+          uses=("aux_output_config",), vllm=">=0.32"),
+    Patch("vllm.config.aux_output:AuxOutputConfig", "where routed-expert capture is asked for",
+          uses=("enable_return_routed_experts",), vllm=">=0.32"),
     Patch("vllm.config:AttentionConfig", "an attention backend the user names is checked "
           "against the ones the lane serves (`attention_backends.py`)",
           uses=("backend", "backend_per_kind")),
@@ -57,3 +65,10 @@ def raise_worker_start_errors(vllm_config) -> None:
         raise ValueError(logits_processor.STR_POOLING_REJECTS_LOGITSPROCS)
     if vllm_config.speculative_config is not None:
         raise ValueError(logits_processor.STR_SPEC_DEC_REJECTS_LOGITSPROCS)
+
+
+def returns_routed_experts(vllm_config: Any) -> bool:
+    """Whether the engine was asked to return each token's routed experts."""
+    if vllm_at_least("0.32"):
+        return vllm_config.aux_output_config.enable_return_routed_experts
+    return vllm_config.model_config.enable_return_routed_experts

@@ -8,7 +8,9 @@ its own metadata builders of the same classes as D's.
 
 from __future__ import annotations
 
-from vllm_ainfer_pd.vllm_glue.shapes import Patch
+from typing import Any
+
+from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 PATCHES = [
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "P's model, device, KV cache "
@@ -18,10 +20,17 @@ PATCHES = [
     Patch("vllm.v1.worker.gpu_input_batch:InputBatch", "the block tables of D's batch give each "
           "KV cache group's kernel block size", uses=("block_table",), does="reads"),
     Patch("vllm.v1.worker.block_table:BlockTable", "P's block table rows and KV slots, in kernel "
-          "blocks", uses=("block_size", "blocks_per_kv_block"), does="reads"),
+          "blocks", uses=("block_size",), does="reads"),
+    Patch("vllm.v1.worker.block_table:BlockTable", "how many kernel blocks a KV-manager block "
+          "holds (the table's `block_size` is the kernel block size)",
+          uses=("blocks_per_kv_block",), does="reads", vllm="<0.32"),
     Patch("vllm.v1.worker.utils:AttentionGroup", "P builds one metadata builder per attention "
           "group, of the class of D's; the group's backend is checked against the ones the lane "
           "serves", uses=("layer_names", "get_metadata_builder", "backend"), does="reads"),
+    Patch("vllm.v1.worker.utils:AttentionGroup", "the group's kernel block size (None: the "
+          "KV-manager block's; the table's `block_size` is the manager's), which vLLM applies in "
+          "the group's `build_metadata`: P applies it to its own table",
+          uses=("kernel_block_size", "kv_cache_spec"), does="reads", vllm=">=0.32"),
     Patch("vllm.v1.attention.backend:AttentionBackend.get_name", "the attention backend vLLM "
           "chose for a KV cache group, by name (`attention_backends.py`)", (), does="calls"),
     Patch("vllm.v1.attention.backend:AttentionMetadataBuilder.__init__", "P's builders are new "
@@ -32,9 +41,35 @@ PATCHES = [
     Patch("vllm.v1.attention.backend:AttentionMetadataBuilder", "the builders' KV cache spec",
           uses=("kv_cache_spec",), does="reads"),
     Patch("vllm.v1.attention.backend:CommonAttentionMetadata", "P's batch, described as vLLM's "
-          "runner describes D's (private CPU copies included)",
-          uses=("query_start_loc", "query_start_loc_cpu", "seq_lens", "_seq_lens_cpu",
-                "_num_computed_tokens_cpu", "seq_lens_cpu_upper_bound", "num_reqs",
-                "num_actual_tokens", "max_query_len", "max_seq_len", "causal", "is_prefilling",
-                "positions", "block_table_tensor", "slot_mapping"), does="builds"),
+          "runner describes D's",
+          uses=("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound",
+                "num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "causal",
+                "is_prefilling", "positions", "block_table_tensor", "slot_mapping"),
+          does="builds"),
+    Patch("vllm.v1.attention.backend:CommonAttentionMetadata", "the private CPU copies vLLM's "
+          "runner gives D's builders", uses=("_seq_lens_cpu", "_num_computed_tokens_cpu"),
+          does="builds", vllm="<0.32"),
 ]
+
+
+def kernel_blocks(runner: Any, gid: int) -> tuple[int, int]:
+    """(kernel block size, kernel blocks per KV-manager block) of KV cache group `gid`: the
+    attention kernels address KV in kernel blocks, which may be smaller than the manager's."""
+    table = runner.input_batch.block_table[gid]
+    if not vllm_at_least("0.32"):
+        return table.block_size, table.blocks_per_kv_block
+    sizes = {group.kernel_block_size for group in runner.attn_groups[gid]}
+    if sizes == {None}:
+        return table.block_size, 1
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"the P lane needs one kernel block size per KV cache group; group "
+                         f"{gid} has {sorted(map(str, sizes))}")
+    kernel = sizes.pop()
+    return kernel, table.block_size // kernel
+
+
+def private_cpu_copies(seq_lens_cpu: Any, num_computed_tokens_cpu: Any) -> dict[str, Any]:
+    """The private CPU copies of `CommonAttentionMetadata` vLLM's runner sets, where it has them."""
+    if vllm_at_least("0.32"):
+        return {}
+    return {"_seq_lens_cpu": seq_lens_cpu, "_num_computed_tokens_cpu": num_computed_tokens_cpu}

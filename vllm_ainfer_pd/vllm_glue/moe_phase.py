@@ -42,9 +42,8 @@ PATCHES = [
     Patch("vllm.distributed.parallel_state:_DP", "the global the replaced code reads for D",
           does="reads"),
     Patch("vllm.distributed.parallel_state:init_model_parallel_group", "P's own EP and DP "
-          "groups, over vLLM's partition of the world", ("group_ranks", "local_rank", "backend",
-          "use_message_queue_broadcaster", "group_name", "use_device_communicator"),
-          does="calls"),
+          "groups, over vLLM's partition of the world",
+          uses=("group_ranks", "local_rank", "backend", "group_name"), does="calls"),
     Patch("vllm.distributed.parallel_state:GroupCoordinator", "P's groups copy vLLM's partition, "
           "backend and device; the route reads their ranks", uses=("group_ranks", "local_rank",
           "torch_distributed_backend", "unique_name", "ranks", "destroy"), does="reads"),

@@ -9,6 +9,9 @@ import inspect
 import re
 from dataclasses import dataclass
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 
 class GlueShapeError(RuntimeError):
     """The installed vLLM differs from what one of the backend's patches assumes."""
@@ -24,7 +27,8 @@ class Patch:
     class, attributes of its instances (class attributes, dataclass fields, or assigned as
     `self.<name>` in the class or a base); for a function, parameters it passes by keyword.
     `does` says what the backend does with the symbol. `platform` ("cpu" or "cuda") limits the
-    check to the platform whose code path uses the symbol."""
+    check to the platform whose code path uses the symbol; `vllm` (a version specifier, "<0.32"
+    or ">=0.32") to the vLLM releases whose code path uses it."""
 
     target: str
     why: str
@@ -32,6 +36,14 @@ class Patch:
     uses: tuple[str, ...] = ()
     does: str = "relies on"
     platform: str | None = None
+    vllm: str = ""
+
+    def applies(self, platform: str | None = None, release: str | None = None) -> bool:
+        """Whether the code path that uses the symbol runs on `platform` with vLLM `release`
+        (None: any)."""
+        if platform is not None and self.platform is not None and self.platform != platform:
+            return False
+        return release is None or not self.vllm or _release(release) in SpecifierSet(self.vllm)
 
     def resolve(self) -> object:
         module_name, _, path = self.target.partition(":")
@@ -91,8 +103,28 @@ def _source(klass: type) -> str | None:
         return None
 
 
-def check_patches(patches: list[Patch], platform: str | None = None) -> None:
-    """Check each patch that applies on `platform` ("cpu", "cuda"; None: every patch)."""
+def check_patches(patches: list[Patch], platform: str | None = None,
+                  release: str | None = None) -> None:
+    """Check each patch that applies on `platform` ("cpu", "cuda") with vLLM `release` (None:
+    any)."""
     for patch in patches:
-        if patch.platform is None or platform is None or patch.platform == platform:
+        if patch.applies(platform, release):
             patch.check()
+
+
+def installed_release() -> str:
+    """The installed vLLM's release, without a local build tag ("0.32.0" for "0.32.0+cpu")."""
+    import vllm
+
+    return vllm.__version__.split("+")[0]
+
+
+def vllm_at_least(release: str) -> bool:
+    """Whether the installed vLLM is `release` or later: the one test the code paths that differ
+    between vLLM releases branch on (each such symbol a `Patch` with its `vllm` range)."""
+    return _release(installed_release()) >= Version(release)
+
+
+def _release(release: str) -> Version:
+    # A development build of a release counts as that release (0.32.1.dev3 as 0.32.1).
+    return Version(Version(release).base_version)

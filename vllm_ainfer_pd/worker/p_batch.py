@@ -16,6 +16,7 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_ainfer_pd import attention_backends
+from vllm_ainfer_pd.vllm_glue import model_runner as model_runner_glue
 
 if TYPE_CHECKING:
     from vllm_ainfer_pd.wire import PJob
@@ -42,7 +43,6 @@ class PBatchBuilder:
         self.attention_backends = attention_backends.check_runner(runner)
         self.groups: list[tuple[int, int, list[Any]]] = []  # (kernel bs, per kv block, builders)
         for gid, attn_groups in enumerate(runner.attn_groups):
-            table = runner.input_batch.block_table[gid]
             builders = []
             for group in attn_groups:
                 d_builder = group.get_metadata_builder()
@@ -55,7 +55,7 @@ class PBatchBuilder:
                         ),
                     )
                 )
-            self.groups.append((table.block_size, table.blocks_per_kv_block, builders))
+            self.groups.append((*model_runner_glue.kernel_blocks(runner, gid), builders))
         if not self.groups:
             raise ValueError("the P lane needs a model with attention KV cache groups")
         # P runs D's compiled graph, which vLLM calls without guards: P's inputs must have the
@@ -95,8 +95,8 @@ class PBatchBuilder:
             query_start_loc=to_dev(query_start),
             query_start_loc_cpu=query_start_cpu,
             seq_lens=to_dev(seq_lens),
-            _seq_lens_cpu=seq_lens_cpu,
-            _num_computed_tokens_cpu=torch.from_numpy(seq_lens - query_lens),
+            **model_runner_glue.private_cpu_copies(seq_lens_cpu,
+                                                   torch.from_numpy(seq_lens - query_lens)),
             seq_lens_cpu_upper_bound=seq_lens_cpu,
             num_reqs=len(jobs),
             num_actual_tokens=int(ids.shape[0]),
