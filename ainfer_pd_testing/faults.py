@@ -17,7 +17,8 @@ rendezvous rounds counted from the lane's start):
 - `fail_at="<epoch>@<rank>:b<boundary>"` / `"<epoch>@<rank>:c<index>"`: only that rank's P fails,
   just before it publishes that boundary, or before it issues its collective number `index` of
   the epoch (inside a segment, while its peers go on issuing the segment's rest): an asymmetric
-  failure, as an out-of-memory at one rank's own batch shape is;
+  failure, as an out-of-memory at one rank's own batch shape is; without `@<rank>`, every rank's
+  P fails there (`"3:b2"`: before boundary 2, after layer 0's MoE dispatch and combine ran);
 - `slow_boundary_s=<seconds>`: P sleeps that long before each boundary on every rank (a slow P:
   each round waits for P's stop at its permit, so an epoch spans more wall time, not more rounds);
 - `device_delay="<epoch>:<seconds>"`: that epoch's device work completes that long after P's
@@ -51,11 +52,12 @@ class ScriptedFaults(FaultHooks):
         self.fail_epoch = int(epoch) if fail_epoch else None
         self.fail_rank = int(rank) if rank else None  # None: every rank, at boundary 1
         self.slow_boundary_s = slow_boundary_s
-        self.fail_at = None  # (epoch, rank, "b" or "c", boundary or collective index)
+        # (epoch, rank or None for every rank, "b" or "c", boundary or collective index)
+        self.fail_at = None
         if fail_at:
             where, _, point = fail_at.partition(":")
             epoch, _, rank = where.partition("@")
-            self.fail_at = (int(epoch), int(rank), point[0], int(point[1:]))
+            self.fail_at = (int(epoch), int(rank) if rank else None, point[0], int(point[1:]))
         epoch, _, seconds = device_delay.partition(":")
         self.device_delay = (int(epoch), float(seconds)) if device_delay else None
 
@@ -68,14 +70,20 @@ class ScriptedFaults(FaultHooks):
         time.sleep(self.slow_boundary_s)
         if boundary == 1 and epoch == self.fail_epoch and self.fail_rank is None:
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank}")
-        if self.fail_at == (epoch, rank, "b", boundary):
+        if self._fails_at(rank, epoch, "b", boundary):
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} at "
                                f"boundary {boundary}")
 
     def at_collective(self, rank: int, epoch: int, index: int) -> None:
-        if self.fail_at == (epoch, rank, "c", index):
+        if self._fails_at(rank, epoch, "c", index):
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank} before "
                                f"its collective {index}")
+
+    def _fails_at(self, rank: int, epoch: int, kind: str, index: int) -> bool:
+        if self.fail_at is None:
+            return False
+        at_epoch, at_rank, at_kind, at_index = self.fail_at
+        return (at_epoch, at_kind, at_index) == (epoch, kind, index) and at_rank in (None, rank)
 
     def device_work(self, rank: int, epoch: int, event):
         if self.device_delay is None or self.device_delay[0] != epoch:

@@ -181,10 +181,11 @@ class ServerRunner:
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         from concurrent.futures import ThreadPoolExecutor
 
-        client = self.client()
-
         def one(prompt: list[int]) -> list[int]:
-            r = client.completions.create(
+            # A client per request: a connection another request of the wave left idle past the
+            # server's keep-alive timeout (on loaded cores, threads start seconds apart) would
+            # fail as "Server disconnected".
+            r = self.client().completions.create(
                 model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                 extra_body={"ignore_eos": True, "return_token_ids": True},
                 extra_headers=self.headers)

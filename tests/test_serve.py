@@ -17,10 +17,7 @@ import time
 
 import pytest
 
-from ainfer_pd_testing import faults
-from ainfer_pd_testing.collective_log import first_divergence, read_logs
-from ainfer_pd_testing.dev_server import SERVER_ENV, collective_rpc
-from ainfer_pd_testing.metrics import kv_usage, settled_rank_metrics
+from ainfer_pd_testing.metrics import settled_rank_metrics
 from ainfer_pd_testing.parity import ServerRunner, compare, parity_waves, run_waves
 from vllm_ainfer_pd.rollout.backend_metrics import read_metrics_text, scrape
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, cpu_env, serve_args
@@ -264,103 +261,6 @@ def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 60.0)
         assert time.monotonic() < deadline, f"processes of the server alive {timeout_s:.0f} s " \
                                              f"after SIGTERM:\n{srv.log_tail(40)}"
         time.sleep(0.5)
-
-
-def test_serve_dp2_failed_p_epochs_recompute_inline_and_the_lane_goes_on(stock, server, tiny_model,
-                                                                        tmp_path):
-    """P fails twice on one DP=2 server (the lane's fault hooks, installed on every rank over the
-    dev-mode `/collective_rpc` endpoint): first in epoch 0 on every DP rank (at boundary 1, before
-    any P collective); then, in the first epoch after those requests, on rank 1 alone while it
-    prepares its batch, where rank 0's P runs its MoE collectives anyway and rank 1 must match
-    them with dummy tokens (without that, rank 0 waits in them for ever and the engine ends at the
-    rendezvous timeout). The failed jobs recompute inline with stock's tokens, and both ranks go on
-    running epochs (a failed epoch is closed once, not raised again in later rounds)."""
-    stock_runner, stock_out, _ = stock
-    lane = {"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}}
-    srv = server(tiny_model, ["--distributed-executor-backend", "ainfer_pd",
-                              "--additional-config", json.dumps(lane),
-                              "--data-parallel-size", "2", "--enable-expert-parallel",
-                              "--worker-extension-cls", faults.WITH_LOG], 2,
-                 "ours-dp2-ep-fail", env=SERVER_ENV)
-    ours = ServerRunner(srv.url, tiny_model)
-
-    def fresh_wave_matches_stock(seed: int, what: str) -> None:
-        """Prompts no earlier request cached, on stock and ours: tokens equal by the tie rule."""
-        waves = parity_waves(vocab_size=512, seed=seed)
-        prompts = [p for wave in waves for p in wave]
-        report = compare(prompts, run_waves(stock_runner, waves, MAX_TOKENS),
-                         run_waves(ours, waves, MAX_TOKENS), stock_runner.teacher_force)
-        print(what, report)
-        assert report.fail == 0, report
-
-    prefix = str(tmp_path / "collectives")
-    collective_rpc(srv.url, "start_collective_log", prefix=prefix)
-
-    # Epoch 0 fails on every rank.
-    assert faults.inject_over_http(srv.url, fail_epoch="0") == [{"rank": 0}]
-    report = compare(PROMPTS, stock_out, run_waves(ours, WAVES, MAX_TOKENS),
-                     stock_runner.teacher_force)
-    print("every rank:", report)
-    assert report.fail == 0, report
-    log = srv.log_text()
-    assert "P epoch 0 on rank 0 failed" in log and "P epoch 0 on rank 1 failed" in log, log[-4000:]
-    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
-    epochs = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks]
-    assert len(ranks) == 2 and epochs[0] == epochs[1] > 1, ranks  # epochs after the failed one
-    assert sum(r.get("vllm_ainfer_pd_p_jobs_failed_total", 0) for r in ranks) >= 1, ranks
-
-    # The next epoch (numbered by the epochs both ranks have opened) fails on rank 1 alone.
-    n = int(epochs[0])
-    assert faults.inject_over_http(srv.url, fail_epoch=f"{n}@1") == [{"rank": 0}]
-    fresh_wave_matches_stock(1, "rank 1 alone:")
-    log = srv.log_text()
-    assert f"P epoch {n} on rank 1 failed" in log and "fails on rank 1 while" in log, log[-4000:]
-    assert f"P epoch {n} on rank 0 failed" not in log, log[-4000:]
-    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
-    later = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks]
-    done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
-    assert len(ranks) == 2 and later[0] == later[1] > n + 1 and done >= 4, ranks
-    assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
-    # Each failed epoch so far (epoch 0 on both ranks, epoch n on rank 1) replayed the rest of
-    # its MoE collectives on P's own communicators on no-work tokens, inside a failed epoch: P's
-    # state retired and every rank rebuilt it once per failure, in the same round
-    # (docs/deepep.md, "Lifecycle").
-    assert [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks] == [2, 2], ranks
-
-    # Then rank 1 alone fails inside its forward, before its fourth P collective (an MoE
-    # dispatch or combine at its own batch shape), with rank 0's P going on: rank 1 replays
-    # the rest on no-work tokens, and both ranks' logs of the collectives they issued are one
-    # sequence (shapes aside: the DP ranks' batches differ). Its replay stood in for
-    # collectives rank 0's experts computed with, so rank 0's jobs of that epoch fail too
-    # (kept, their KV would differ from stock's: seen as 2 of 16 prompts off stock's tokens).
-    m = int(later[0])
-    rebuilds = [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks]
-    assert faults.inject_over_http(srv.url, fail_at=f"{m}@1:c3") == [{"rank": 0}]
-    fresh_wave_matches_stock(2, "rank 1 alone, inside its forward:")
-    log = srv.log_text()
-    assert f"P epoch {m} on rank 1 failed" in log and "before its collective 3" in log, \
-        log[-4000:]
-    assert f"P epoch {m} on rank 0 failed: \"a peer's P failed" in log, log[-4000:]
-    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
-    assert [r.get("vllm_ainfer_pd_epochs_total", 0) > m + 1 for r in ranks] == [True, True]
-    # DP + EP: P's MoE collectives ran on P's own communicators; the failed epoch had issued
-    # some, so every rank rebuilt them once, in the same round.
-    after = [r.get("vllm_ainfer_pd_phase_ep_rebuilds_total", 0) for r in ranks]
-    assert after[0] == after[1] == rebuilds[0] + 1 and rebuilds[0] == rebuilds[1], \
-        (rebuilds, after)
-    assert all(r.get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0 for r in ranks), ranks
-    logs = [[" ".join(e.split()[:3]) for e in rank] for rank in read_logs(prefix, 2)]
-    assert any(e.startswith("P dispatch") for e in logs[0]), logs[0][:40]
-    assert len(logs[0]) == len(logs[1]) and first_divergence(logs) is None, \
-        first_divergence(logs)
-
-    # The epochs after the failures: a wave with no fault matches stock, and once it drained no
-    # KV block is held on either rank (failed jobs' blocks freed, none leaked).
-    done = sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks)
-    fresh_wave_matches_stock(3, "after the failures:")
-    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
-    assert sum(r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks) > done, ranks
-    assert kv_usage(read_metrics_text(srv.url)) == {"0": 0.0, "1": 0.0}
 
 
 def test_serve_dp2_over_two_hosts_takes_the_cross_host_rendezvous(stock, server, tiny_model,
