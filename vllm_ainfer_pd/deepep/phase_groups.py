@@ -105,6 +105,8 @@ def _copy_groups() -> dict[str, Any]:
     from vllm.config import get_current_vllm_config_or_none
     from vllm.distributed import parallel_state
 
+    from vllm_ainfer_pd.vllm_glue.moe_phase import copy_group_kwargs
+
     if get_current_vllm_config_or_none() is None:
         raise RuntimeError("PhaseGroups.build needs vLLM's current config "
                            "(set_current_vllm_config): vLLM's device communicator reads it to "
@@ -114,7 +116,8 @@ def _copy_groups() -> dict[str, Any]:
         group = getattr(parallel_state, f"get_{kind}_group")()
         copies[kind] = parallel_state.init_model_parallel_group(
             group_ranks=_as_lists(group.group_ranks), local_rank=group.local_rank,
-            backend=group.torch_distributed_backend, group_name=kind)
+            backend=group.torch_distributed_backend, group_name=kind,
+            **copy_group_kwargs(group))
     return copies
 
 

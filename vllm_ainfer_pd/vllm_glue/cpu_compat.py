@@ -1,9 +1,11 @@
-"""What vLLM 0.26's CPU path lacks for expert parallelism, supplied at run time in our worker.
+"""What vLLM's CPU path lacks for expert parallelism, supplied at run time in our worker.
 
-Stock vLLM cannot serve `--data-parallel-size N --enable-expert-parallel` on the CPU:
+Stock vLLM (0.26, and 0.32) cannot serve `--data-parallel-size N --enable-expert-parallel` on the
+CPU:
 1. `CpuCommunicator.all_gatherv` / `reduce_scatterv` are not implemented (the EP dispatch/combine of
    `AgRsAll2AllManager` calls them with per-rank token counts);
-2. the CPU fused-MoE call ignores `expert_map`, so global expert ids index past the local experts.
+2. the CPU fused-MoE call ignores `expert_map`, so global expert ids index past the local experts
+   (0.26: `CPUFusedMOE.__call__`; 0.32: `CPUUnquantizedExperts.apply`).
 
 `install()` adds both to the running process (vLLM's files are not modified). The ainfer_pd
 worker calls it on CPU before the model is built, so `mode=normal` and `mode=pd` both get it.
@@ -40,6 +42,13 @@ PATCHES = [
                 "topk_group", "num_expert_group", "custom_routing_function", "scoring_func",
                 "routed_scaling_factor", "e_score_correction_bias"),
           does="calls", platform="cpu", vllm="<0.32"),
+    Patch("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply",
+          "vLLM 0.32's CPU experts pass global expert ids to a kernel that indexes the local "
+          "experts with them (a segfault under EP)",
+          ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
+           "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
+           "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input"),
+          does="wraps", platform="cpu", vllm=">=0.32"),
     Patch("vllm.model_executor.layers.fused_moe.activation:MoEActivation.SILU",
           "the activation stock's CPU fused MoE defaults to", does="reads", platform="cpu",
           vllm="<0.32"),
@@ -56,7 +65,13 @@ def install() -> None:
 
     CpuCommunicator.all_gatherv = _all_gatherv
     CpuCommunicator.reduce_scatterv = _reduce_scatterv
-    if not vllm_at_least("0.32"):
+    if vllm_at_least("0.32"):
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+        # The unquantized CPU experts (float32 and bf16; the AMX and Arm variants inherit apply).
+        cpu_moe.CPUUnquantizedExperts.apply = _apply_with_local_expert_ids(
+            cpu_moe.CPUUnquantizedExperts.apply)
+    else:
         from vllm.model_executor.layers.fused_moe import cpu_fused_moe
 
         # CPUFusedMOE is the path for float32 and for bf16 without the AMX "SGL" kernel; the SGL
@@ -142,6 +157,30 @@ def _with_local_expert_ids(stock_call):
 
     call.__wrapped__ = stock_call
     return call
+
+
+def _apply_with_local_expert_ids(stock_apply):
+    """Wrap vLLM 0.32's `CPUUnquantizedExperts.apply` (called with keywords) so that, under expert
+    parallelism, its kernel sees local expert ids and zero weight on the slots whose experts live
+    on other ranks (their contribution is added by the owning rank in the EP combine)."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        if expert_map is not None:
+            is_local = expert_map[topk_ids.long()] >= 0
+            topk_weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
+            topk_ids = _local_expert_ids(expert_map, topk_ids)
+        return stock_apply(
+            self, output=output, hidden_states=hidden_states, w1=w1, w2=w2,
+            topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
+            global_num_experts=global_num_experts, expert_map=expert_map, a1q_scale=a1q_scale,
+            a2_scale=a2_scale, workspace13=workspace13, workspace2=workspace2,
+            expert_tokens_meta=expert_tokens_meta,
+            apply_router_weight_on_input=apply_router_weight_on_input)
+
+    apply.__wrapped__ = stock_apply
+    return apply
 
 
 def _local_expert_ids(expert_map: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vllm_ainfer_pd.vllm_glue.shapes import Patch
+from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 _MOE = "vllm.model_executor.layers.fused_moe"
 PATCHES = [
@@ -44,6 +44,12 @@ PATCHES = [
     Patch("vllm.distributed.parallel_state:init_model_parallel_group", "P's own EP and DP "
           "groups, over vLLM's partition of the world",
           uses=("group_ranks", "local_rank", "backend", "group_name"), does="calls"),
+    Patch("vllm.distributed.parallel_state:init_model_parallel_group", "P's EP group gets an "
+          "all-to-all manager where vLLM's has one (0.32 asks for it by this flag)",
+          uses=("use_all2all",), does="calls", vllm=">=0.32"),
+    Patch("vllm.distributed.device_communicators.base_device_communicator:"
+          "DeviceCommunicatorBase", "whether vLLM's group has an all-to-all manager",
+          uses=("use_all2all",), does="reads", vllm=">=0.32"),
     Patch("vllm.distributed.parallel_state:GroupCoordinator", "P's groups copy vLLM's partition, "
           "backend and device; the route reads their ranks", uses=("group_ranks", "local_rank",
           "torch_distributed_backend", "unique_name", "ranks", "destroy"), does="reads"),
@@ -182,3 +188,13 @@ def install_phase_kernels(model: Any, make_p_kernel: Callable[[str, Any], Any]) 
             continue
         method.moe_kernel = cls(d_kernel, make_p_kernel(name, d_kernel))
     return len(layers)
+
+
+def copy_group_kwargs(group: Any) -> dict[str, Any]:
+    """The keywords `init_model_parallel_group` needs, beyond the partition, backend and name, for
+    a copy of vLLM's `group` that dispatches as it does: vLLM 0.32 gives an EP group its
+    all-to-all manager only when asked (`use_all2all`), 0.26 always."""
+    if not vllm_at_least("0.32"):
+        return {}
+    communicator = group.device_communicator
+    return {"use_all2all": bool(communicator is not None and communicator.use_all2all)}

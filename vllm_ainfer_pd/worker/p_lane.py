@@ -391,7 +391,9 @@ class PLane(LaneRound):
             self.stats.p_collectives_own = self.phase_ep.own_collectives
         if failed:
             why = epoch.error or "a peer's P failed (the round plan fails the epoch here too)"
-            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, why)
+            # The exception's traceback too: its message alone can be empty (an AssertionError).
+            logger.error("P epoch %d on rank %d failed: %r", epoch.id, self.rank, why,
+                         exc_info=why if isinstance(why, BaseException) else None)
             self.epochs.fail(epoch)
             return
         if self.turnstile.mode.fences_device and epoch.event is not None:
