@@ -58,7 +58,8 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
         if host_b is not None:
             args = args + host_b.front_args
             env = {**env, HOST_ID_ENV: "host-a"}
-        with VllmServer(model, args, env, name=f"parity-{lane['mode']}") as srv:
+        with VllmServer(model, args, env, name=f"parity-{lane['mode']}",
+                        startup_timeout_s=_request_timeout_s(tp, dp)) as srv:
             up = time.time() - start
             out = run_waves(ServerRunner(srv.url, model, timeout_s=_request_timeout_s(tp, dp)),
                             waves, max_tokens)
@@ -76,10 +77,11 @@ HOST_ID_ENV = "VLLM_AINFER_PD_HOST_ID"
 
 
 def _request_timeout_s(tp: int, dp: int) -> float:
-    """How long a request may take. With 4 ranks on 2 cores each step takes seconds: vLLM's CPU
-    shared-memory all-gather of a TP group spins while it waits for its peer, and on these
-    cores the spinning rank of one DP replica shares a core with the rank the other replica's
-    spinner waits for (seen as several minutes per wave of the TP=2 x DP=2 launch)."""
+    """How long the server's start or a request may take. With 4 ranks on 2 cores each step takes
+    seconds: vLLM's CPU shared-memory all-gather of a TP group spins while it waits for its peer,
+    and on these cores the spinning rank of one DP replica shares a core with the rank the other
+    replica's spinner waits for (seen as 4 to over 10 minutes of start-up, and several minutes
+    per wave, for the TP=2 x DP=2 two-host launch)."""
     return 1800.0 if tp * dp >= 4 else 300.0
 
 
