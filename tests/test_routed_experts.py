@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(900)
 MAX_TOKENS = 8
 PROMPTS = [p for wave in parity_waves(vocab_size=512) for p in wave]
 REFUSAL = ("ainfer_pd mode='pd' cannot return routed experts (--enable-return-routed-experts): "
-           "vLLM 0.26 refuses them beside a KV connector, and the P lane runs in vLLM's "
+           "vLLM refuses them beside a KV connector, and the P lane runs in vLLM's "
            "KV-connector slot; use mode='normal'")
 
 
