@@ -149,9 +149,7 @@ def _with_local_expert_ids(stock_call):
             scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias,
         )
-        local_ids = _local_expert_ids(expert_map, topk_ids)
-        is_local = expert_map[topk_ids.long()] >= 0
-        topk_weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
+        topk_weights, local_ids = _local_routing(expert_map, topk_weights, topk_ids)
         return self.forward_method(layer, x, topk_weights, local_ids, activation,
                                    global_num_experts, apply_router_weight_on_input)
 
@@ -168,9 +166,7 @@ def _apply_with_local_expert_ids(stock_apply):
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input):
         if expert_map is not None:
-            is_local = expert_map[topk_ids.long()] >= 0
-            topk_weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
-            topk_ids = _local_expert_ids(expert_map, topk_ids)
+            topk_weights, topk_ids = _local_routing(expert_map, topk_weights, topk_ids)
         return stock_apply(
             self, output=output, hidden_states=hidden_states, w1=w1, w2=w2,
             topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
@@ -181,6 +177,15 @@ def _apply_with_local_expert_ids(stock_apply):
 
     apply.__wrapped__ = stock_apply
     return apply
+
+
+def _local_routing(expert_map: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing for this rank's experts only: zero weight on the slots whose experts live on other
+    ranks (the owning rank adds them in the EP combine), and local expert ids."""
+    is_local = expert_map[topk_ids.long()] >= 0
+    topk_weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
+    return topk_weights, _local_expert_ids(expert_map, topk_ids)
 
 
 def _local_expert_ids(expert_map: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

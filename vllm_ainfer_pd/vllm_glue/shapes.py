@@ -119,9 +119,11 @@ def installed_release() -> str:
     return vllm.__version__.split("+")[0]
 
 
+@functools.cache
 def vllm_at_least(release: str) -> bool:
     """Whether the installed vLLM is `release` or later: the one test the code paths that differ
-    between vLLM releases branch on (each such symbol a `Patch` with its `vllm` range)."""
+    between vLLM releases branch on (each such symbol a `Patch` with its `vllm` range). Cached:
+    P's batch builder asks on every batch, and the installed vLLM does not change."""
     return _release(installed_release()) >= Version(release)
 
 
