@@ -217,15 +217,19 @@ def test_an_abort_storm_leaves_nothing_in_flight_and_later_epochs_are_right(norm
         except Exception:  # noqa: BLE001 - a client giving up mid-P is the point
             gave_up.append(prompt)
 
-    # Most clients give up within 0.2 s (a lane prompt of 600-900 tokens is still in P then, or
-    # waiting for it), a few wait for their tokens.
-    threads = [threading.Thread(target=send, args=(p, rng.choice((0.02, 0.05, 0.1, 0.2, 60.0))))
+    # P sleeps 0.25 s at each boundary during the storm, so an epoch lasts a second or more on
+    # any machine: a client that gives up 0.4-1.2 s after sending finds its prompt in P or
+    # queued for it (on a fast machine an unslowed P finished before the clients gave up, and
+    # the storm cancelled nothing). A few clients wait for their tokens.
+    assert faults.inject_over_http(srv.url, slow_boundary_s=0.25) == [{"rank": 0}]
+    threads = [threading.Thread(target=send, args=(p, rng.choice((0.4, 0.8, 1.2, 60.0))))
                for p in STORM]
     for t in threads:
         t.start()
         time.sleep(rng.uniform(0, 0.2))
     for t in threads:
         t.join(300)
+    assert faults.inject_over_http(srv.url) == [{"rank": 0}]  # P at full speed again
     assert gave_up, "no client gave up: the storm aborted nothing"
     deadline = time.monotonic() + 120
     while True:
