@@ -15,18 +15,31 @@ from vllm_ainfer_pd import BACKEND_NAME
 logger = logging.getLogger(__name__)
 
 
+class _ThroughVllm(logging.Handler):
+    """Hands each record to vLLM's logger as it is when the record is made. vLLM 0.26 sets up its
+    handlers when `vllm.logger` is imported; 0.32 only when an engine or the CLI applies its
+    logging config, which in some processes comes after plugins load, so copying its handlers at
+    registration would find none there."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # vLLM's handlers filter by their own level; with vLLM's logging turned off the record
+        # propagates to the root (Python's last resort prints warnings and errors).
+        logging.getLogger("vllm").handle(record)
+
+
 def log_through_vllm() -> None:
     """Send this package's log records to vLLM's handlers, at vLLM's level, so the lane's messages
     (stream priorities, the periodic lane summary, failed epochs) appear in `vllm serve` output in
     vLLM's format, or wherever VLLM_LOGGING_CONFIG_PATH sends them. Without it the package logger
     has no handler and Python's last-resort handler drops everything below WARNING."""
-    ours, theirs = logging.getLogger("vllm_ainfer_pd"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:  # done already, or vLLM's logging is turned off
+    import vllm.envs
+
+    ours = logging.getLogger("vllm_ainfer_pd")
+    if any(isinstance(h, _ThroughVllm) for h in ours.handlers):
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
-    ours.propagate = False  # vLLM's handlers are ours now; the root's would print twice
+    ours.addHandler(_ThroughVllm())
+    ours.setLevel(logging.getLogger("vllm").level or vllm.envs.VLLM_LOGGING_LEVEL)
+    ours.propagate = False  # vLLM's logger passes it on; the root's handlers would print twice
 
 
 def register() -> None:

@@ -1,7 +1,7 @@
 """Fetch vLLM's source distribution, take its `tests/`, and run chosen test modules in one mode.
 
-- `vllm_tests_dir()`: `pip download --no-deps --no-binary :all: vllm==0.26.0` into the cache
-  (`~/.cache/vllm-ainfer-pd/vllm-sdist/`). pip fetches the file and then fails to prepare its
+- `vllm_tests_dir()`: `pip download --no-deps --no-binary :all: vllm==<the installed release>` into
+  the cache (`~/.cache/vllm-ainfer-pd/vllm-sdist/`). pip fetches the file and then fails to prepare its
   metadata (the build needs CUDA's torch); the URL pip resolved is taken from pip's log and the
   same file downloaded directly. Only `tests/` and `pyproject.toml` (pytest's markers) are
   extracted, beside no `vllm/` package, so the tests import the installed vLLM.
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -29,7 +30,8 @@ from ainfer_pd_testing import ROOT
 from ainfer_pd_testing.vllm_suite import BREAK_ENV, LOG_ENV, MODE_ENV, SITE_DIR
 from ainfer_pd_testing.vllm_suite.hub import build_hub, hub_env
 
-VLLM_VERSION = "0.26.0"
+# The installed vLLM's release: its own tests are the ones that fit it ("0.32.0+cpu" -> "0.32.0").
+VLLM_VERSION = importlib.metadata.version("vllm").split("+")[0]
 SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
 TOP = f"vllm-{VLLM_VERSION}"
 
