@@ -3,9 +3,12 @@
     python benchmarks/vllm_tests.py                      # both runs, table into the results
     python benchmarks/vllm_tests.py --break drop-token   # the negative control (see below)
     make vllm-tests
+    # another release (its environment's python): the core modules, beside 0.26's rate on them
+    python benchmarks/vllm_tests.py --core --out benchmarks/results/vllm_tests/vllm-0.32.0 \
+        --beside benchmarks/results/vllm_tests/results.json
 
 Fetches vLLM's source distribution through pip (cached, `ainfer_pd_testing/vllm_suite/run.py`),
-takes its `tests/` (nothing of it is copied into this repository) and runs `MODULES` twice, one
+takes the installed vLLM release's `tests/` (nothing of it is copied into this repository) and runs `MODULES` twice, one
 pytest process each: stock vLLM, then `ainfer_pd` injected as executor backend into every engine
 the tests build, with the P lane taking every prompt of >= 4 uncached tokens
 (`ainfer_pd_testing/vllm_suite/`). The hub model names the tests load are the embedded tiny model
@@ -122,6 +125,33 @@ MODULES = [
     "tests/entrypoints/openai/chat_completion/test_include_reasoning.py",
     "tests/entrypoints/openai/chat_completion/test_completion_with_function_calling.py",
     "tests/entrypoints/openai/chat_completion/test_thinking_token_budget.py",
+]
+
+# A short set (about 15 minutes a run on 2 cores): the offline API, sampling parameters, stop
+# reasons, min tokens, context length, the engine, the OpenAI server's completions and chats,
+# token ids and logprobs, the scheduler end to end, a prefix-cache reset, collective RPC,
+# tokenization, chunked prompts and async scheduling.
+CORE = [
+    "tests/entrypoints/llm/test_generate.py",
+    "tests/entrypoints/llm/test_chat.py",
+    "tests/entrypoints/llm/test_prompt_validation.py",
+    "tests/entrypoints/llm/test_gpu_utilization.py",
+    "tests/v1/sample/test_sampling_params_e2e.py",
+    "tests/detokenizer/test_stop_reason.py",
+    "tests/v1/e2e/general/test_min_tokens.py",
+    "tests/v1/e2e/general/test_context_length.py",
+    "tests/v1/engine/test_llm_engine.py",
+    "tests/entrypoints/openai/completion/test_completion.py",
+    "tests/entrypoints/openai/chat_completion/test_chat_completion.py",
+    "tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py",
+    "tests/entrypoints/openai/test_return_token_ids.py",
+    "tests/entrypoints/openai/chat_completion/test_logprob_token_ids.py",
+    "tests/v1/core/test_scheduler_e2e.py",
+    "tests/v1/core/test_reset_prefix_cache_e2e.py",
+    "tests/entrypoints/serve/dev/rpc/test_collective_rpc.py",
+    "tests/entrypoints/serve/tokenize/test_tokenization.py",
+    "tests/entrypoints/openai/test_chunked_prompt.py",
+    "tests/v1/e2e/general/test_async_scheduling.py",
 ]
 
 # Tests of the chosen modules left out, with why (node ids or prefixes).
@@ -253,6 +283,28 @@ def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def counted_on(rows: list[dict], modules: list[str]) -> tuple[int, int]:
+    """(counted, ours passed) over the tests of `modules` (paths of files or folders)."""
+    def inside(nodeid: str) -> bool:
+        module = module_of(nodeid)
+        return any(module == m or module.startswith(m.rstrip("/") + "/") for m in modules)
+
+    counted = [r for r in rows if inside(r["test"]) and r["stock"] == "passed" and r["engine"]]
+    return len(counted), sum(1 for r in counted if r["ours"] == "passed")
+
+
+def beside_line(path: Path, meta: dict, summary: dict) -> str:
+    """Another release's stored results over the same modules, as one line of the report."""
+    other = json.loads(path.read_text())
+    rows = compare(other["runs"]["stock"], other["runs"]["ours"])["rows"]
+    counted, passed = counted_on(rows, meta["modules"])
+    here = counted_on(summary["rows"], meta["modules"])
+    rate = f"{100 * passed / counted:.1f}%" if counted else "-"
+    return (f"- the same modules on vLLM {other['meta']['vllm_version']} (`{path}`): counted "
+            f"{counted}, ours passes {passed} = {rate}; here: counted {here[0]}, ours passes "
+            f"{here[1]}")
+
+
 def markdown(summary: dict, meta: dict, title: str) -> str:
     lines = [f"# {title}", "",
              f"vLLM {meta['vllm_version']} (sdist sha256 `{meta['sdist_sha256'][:16]}...`), "
@@ -282,7 +334,9 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
               f"of these, {summary['ours_passed_with_lane_jobs']} ran P-lane jobs",
               f"- wall time (every run, merges included): stock "
               f"{meta['wall_s'].get('stock', 0):.0f} s, ours "
-              f"{meta['wall_s'].get('ours', 0):.0f} s", ""]
+              f"{meta['wall_s'].get('ours', 0):.0f} s",
+              *([beside_line(Path(meta["beside"]), meta, summary)] if meta.get("beside") else []),
+              ""]
     lines += ["| module | tests | counted | ours pass (of counted) | lane jobs |",
               "|---|---|---|---|---|"]
     by_module: dict[str, list] = {}
@@ -311,10 +365,14 @@ def markdown(summary: dict, meta: dict, title: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modules", nargs="*", default=None, help="test paths (default MODULES)")
+    parser.add_argument("--core", action="store_true", help="the CORE modules (a short run)")
+    parser.add_argument("--beside", type=Path, default=None,
+                        help="another release's results.json: its rate on the same modules "
+                        "goes into the report")
     parser.add_argument("--runs", default="stock,ours", help="stock,ours (default) or one")
     parser.add_argument("--break", dest="broken", default=None, choices=["drop-token"])
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--logs", type=Path, default=cache_dir() / "runs",
+    parser.add_argument("--logs", type=Path, default=cache_dir() / f"runs-{VLLM_VERSION}",
                         help="pytest's output and per-module results (outside the checkout)")
     parser.add_argument("--timeout", type=int, default=600, help="per test, seconds")
     parser.add_argument("--resume", action="store_true",
@@ -325,13 +383,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.merge and (not args.modules or args.runs != "stock,ours" or args.broken):
         parser.error("--merge needs --modules and both runs")
-    tests = args.modules or MODULES
+    if args.core and args.modules:
+        parser.error("--core or --modules, not both")
+    tests = CORE if args.core else args.modules or MODULES
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     logs = args.logs
     meta = {"vllm_version": VLLM_VERSION, "sdist_sha256": sha256(fetch_sdist()),
             "modules": tests, "deselected": DESELECT, "machine": f"{os.cpu_count()} CPU cores",
-            "date": time.strftime("%Y-%m-%d"), "wall_s": {}, "engines": {}}
+            "date": time.strftime("%Y-%m-%d"), "wall_s": {}, "engines": {},
+            **({"beside": str(args.beside)} if args.beside else {})}
     if args.broken:
         stock = json.loads((out / "results.json").read_text())["runs"]["stock"]
         run = run_suite("ours", tests, logs, broken=args.broken, deselect=list(DESELECT),
