@@ -155,7 +155,9 @@ def _count(ranks: list[dict[str, float]], counter: str) -> list[float]:
     return [r.get(f"vllm_ainfer_pd_{counter}_total", 0) for r in ranks]
 
 
-MOE = ("dispatch_router_logits", "combine", "all_gatherv", "reduce_scatterv")
+# The EP group's dispatch (vLLM 0.26: `dispatch_router_logits`, then `combine`; 0.32: `dispatch`,
+# its combine a DP reduce-scatter) and the DP collectives inside them.
+MOE = ("dispatch_router_logits", "dispatch", "combine", "all_gatherv", "reduce_scatterv")
 
 
 def _moe_groups(logs: list[list[str]], phase: str) -> set[str]:

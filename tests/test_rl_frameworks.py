@@ -47,6 +47,7 @@ from vllm_ainfer_pd.models import PRESETS, write_model
 from vllm_ainfer_pd.rollout.backend_metrics import by_rank, read_metrics_text
 from vllm_ainfer_pd.rollout.cpu_engine import CPU_ENGINE_ARGS, apply_cpu_env, cpu_env, serve_args
 from vllm_ainfer_pd.rollout.server import VllmServer
+from vllm_ainfer_pd.vllm_glue import vllm_at_least
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -399,6 +400,14 @@ def paused_over_http(url: str, model: str, ps: list[list[int]], mode: str, clear
             "errors": [s.error for s in streams if s.error]}
 
 
+# Stock vLLM 0.32 on the CPU, no backend involved: weights sent back through the weight transfer
+# do not give the outputs the same weights gave when loaded from the checkpoint (W0, then W1,
+# then W0 again: every parameter equal, 7 of 8 greedy outputs differ), so the in-process
+# reference, moved through other weights by the earlier tests, cannot stand for the checkpoint
+# the server loaded. On 0.26 it does (8 of 8 equal).
+@pytest.mark.skipif(vllm_at_least("0.32.0"), reason="vLLM 0.32's CPU weight reload does not "
+                    "reproduce a checkpoint's outputs, so the reference cannot hold the server's "
+                    "weights")
 def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(reference, weights,
                                                                         tiny_model):
     """One `vllm serve` at DP=2 with expert parallelism, every request on DP rank 0 (rank 1 runs
@@ -555,7 +564,12 @@ def test_serve_dp2_pause_wait_drains_a_p_epoch_longer_than_vllms_dp_wave_check(d
             # The pause met the epoch with more rounds to go than a wave check's period.
             assert status["segments"] + 32 < 49, status
             assert after["inflight"] == 0 and after["jobs_cancelled"] == 1, after
-            assert request.tokens == [], request.tokens
+            if vllm_at_least("0.32.0"):
+                # 0.32's `wait` also drains the requests that hold KV blocks (its PAUSED_NEW), the
+                # cancelled job's request among them: it ran to its end before the pause returned.
+                assert len(request.tokens) == 4, request.tokens
+            else:
+                assert request.tokens == [], request.tokens
             faults.inject_over_http(srv.url)  # P at full speed again
             assert admin(srv.url, "/resume") == {"status": "resumed"}
             request.join(120)

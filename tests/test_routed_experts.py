@@ -19,8 +19,15 @@ import pytest
 from ainfer_pd_testing.parity import parity_waves
 from ainfer_pd_testing.pause_resume import async_engine
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
+from vllm_ainfer_pd.vllm_glue import vllm_at_least
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [
+    pytest.mark.timeout(900),
+    # 0.32 returns routed experts only from Model Runner V2 (its aux-output connector; with the V1
+    # runner vLLM refuses the flag itself, stock included), and the lane runs on the V1 runner.
+    pytest.mark.skipif(vllm_at_least("0.32.0"), reason="vLLM 0.32 returns routed experts only "
+                       "with Model Runner V2, which the backend does not run on"),
+]
 
 MAX_TOKENS = 8
 PROMPTS = [p for wave in parity_waves(vocab_size=512) for p in wave]
