@@ -54,7 +54,7 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
     extra: dict = {}
     start = time.time()
     with TwoHosts(model, args, tp, dp) if hosts == 2 else _nothing() as host_b:
-        env = cpu_env(tp * dp // hosts)
+        env = {**cpu_env(tp * dp // hosts), **_step_limit(tp, dp)}
         if host_b is not None:
             args = args + host_b.front_args
             env = {**env, HOST_ID_ENV: "host-a"}
@@ -83,6 +83,14 @@ def _request_timeout_s(tp: int, dp: int) -> float:
     replica's spinner waits for (seen as 4 to over 10 minutes of start-up, and several minutes
     per wave, for the TP=2 x DP=2 two-host launch)."""
     return 1800.0 if tp * dp >= 4 else 300.0
+
+
+def _step_limit(tp: int, dp: int) -> dict[str, str]:
+    """vLLM ends the engine when one `execute_model` call takes longer than
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s); a step of 4 ranks on 2 cores took longer (the
+    two-host launch's first step, RESULTS.md), so at 4 ranks it gets the request's limit."""
+    return ({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(_request_timeout_s(tp, dp)))}
+            if tp * dp >= 4 else {})
 
 
 @contextlib.contextmanager
@@ -115,7 +123,8 @@ class TwoHosts:
         self.proc = subprocess.Popen(
             vllm_command() + ["serve", self.model, *self.args], stdout=self.log,
             stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **cpu_env(self.tp * self.local), HOST_ID_ENV: "host-b"})
+            env={**os.environ, **cpu_env(self.tp * self.local),
+                 **_step_limit(self.tp, 2 * self.local), HOST_ID_ENV: "host-b"})
         return self
 
     def __exit__(self, *exc) -> None:

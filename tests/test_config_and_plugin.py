@@ -12,7 +12,6 @@ from vllm_ainfer_pd import TESTED_VLLM_VERSIONS
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
 from vllm_ainfer_pd.vllm_glue import check_vllm, installed_release
 
-
 INSTALLED = installed_release()
 
 

@@ -1,10 +1,10 @@
 """Fetch vLLM's source distribution, take its `tests/`, and run chosen test modules in one mode.
 
-- `vllm_tests_dir()`: `pip download --no-deps --no-binary :all: vllm==<the installed release>` into
-  the cache (`~/.cache/vllm-ainfer-pd/vllm-sdist/`). pip fetches the file and then fails to prepare its
-  metadata (the build needs CUDA's torch); the URL pip resolved is taken from pip's log and the
-  same file downloaded directly. Only `tests/` and `pyproject.toml` (pytest's markers) are
-  extracted, beside no `vllm/` package, so the tests import the installed vLLM.
+- `vllm_tests_dir()`: `pip download --no-deps --no-binary :all: vllm==<the installed release>`
+  into the cache (`~/.cache/vllm-ainfer-pd/vllm-sdist/`). pip fetches the file and then fails to
+  prepare its metadata (the build needs CUDA's torch); the URL pip resolved is taken from pip's
+  log and the same file downloaded directly. Only `tests/` and `pyproject.toml` (pytest's
+  markers) are extracted, beside no `vllm/` package, so the tests import the installed vLLM.
 - `run_suite(...)`: one pytest process over those modules, in `stock` or `ours` mode, with the
   overlay (`site/sitecustomize.py`, the hub mapping) and the CPU settings; returns the per-test
   results the pytest plugin wrote.
