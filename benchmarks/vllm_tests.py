@@ -12,8 +12,8 @@ takes the installed vLLM release's `tests/` (nothing of it is copied into this r
 runs `MODULES` twice, one pytest process each: stock vLLM, then `ainfer_pd` injected as executor
 backend into every engine the tests build, with the P lane taking every prompt of >= 4 uncached
 tokens (`ainfer_pd_testing/vllm_suite/`). The hub model names the tests load are the embedded tiny
-model in both runs. A test counts only where stock passes. Writes `results.json` and `README.md` (the
-table, every difference with its cause) into `--out`.
+model in both runs. A test counts only where stock passes. Writes `results.json` and `README.md`
+(the table, every difference with its cause) into `--out`.
 
 `--break drop-token` runs only `ours`, with a lane that prefills every prompt with its first token
 dropped (a harness patch, not the product), and compares it with the stored stock results: vLLM's
