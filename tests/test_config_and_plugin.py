@@ -23,8 +23,11 @@ def test_a_tested_release_runs_without_a_warning(caplog):
 
 
 def _our_warnings(caplog) -> list[str]:
-    """The backend's warnings (importing vLLM may log its own, as 0.32 does about Triton)."""
-    return [r.getMessage() for r in caplog.records
+    """The backend's warnings (importing vLLM may log its own, as 0.32 does about Triton), each
+    record once: pytest attaches its capture to every logger that does not propagate, and a
+    record of ours passes two of them (the package's logger, then vLLM's it hands it to)."""
+    records = {id(r): r for r in caplog.records}.values()
+    return [r.getMessage() for r in records
             if r.levelname == "WARNING" and r.name.startswith("vllm_ainfer_pd")]
 
 
