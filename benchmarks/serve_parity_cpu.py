@@ -87,10 +87,9 @@ def _request_timeout_s(tp: int, dp: int) -> float:
 
 def _step_limit(tp: int, dp: int) -> dict[str, str]:
     """vLLM ends the engine when one `execute_model` call takes longer than
-    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s); a step of 4 ranks on 2 cores took longer (the
-    two-host launch's first step, RESULTS.md), so at 4 ranks it gets the request's limit."""
-    return ({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(_request_timeout_s(tp, dp)))}
-            if tp * dp >= 4 else {})
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (default 300 s); a step of 4 ranks on 2 cores took longer
+    (the two-host launch's first step, RESULTS.md), so a step gets a request's limit."""
+    return {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(_request_timeout_s(tp, dp)))}
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -29,9 +28,10 @@ from pathlib import Path
 from ainfer_pd_testing import ROOT
 from ainfer_pd_testing.vllm_suite import BREAK_ENV, LOG_ENV, MODE_ENV, SITE_DIR
 from ainfer_pd_testing.vllm_suite.hub import build_hub, hub_env
+from vllm_ainfer_pd.vllm_glue.shapes import installed_release
 
-# The installed vLLM's release: its own tests are the ones that fit it ("0.32.0+cpu" -> "0.32.0").
-VLLM_VERSION = importlib.metadata.version("vllm").split("+")[0]
+# The installed vLLM's release: its own tests are the ones that fit it.
+VLLM_VERSION = installed_release()
 SDIST = f"vllm-{VLLM_VERSION}.tar.gz"
 TOP = f"vllm-{VLLM_VERSION}"
 
