@@ -3,8 +3,8 @@
 # measured):
 #   bash benchmarks/gpu_run.sh JOB...
 # Models in .gpu/ (vllm-ainfer-pd-model --preset tiny|gpu|gpu-mla --out .gpu/tiny|gpu-model|gpu-mla).
-# vLLM 0.26.0 installed, or a vLLM pack in .gpu/env (sourced when present: a machine without a
-# package index).
+# vLLM 0.26.0 installed, or a vLLM pack in .gpu/env or .gpu32/env (vLLM 0.32.0 with torch 2.13;
+# sourced when present: a machine without a package index).
 # Jobs (each writes $OUT/<job>.json and logs; all logs end up in $OUT/logs.tar.gz):
 #   tp1        TP=1 bf16 and float32, P lane on (one per GPU in parallel where there are 2)
 #   tp1eager   TP=1 bf16, P lane on, --enforce-eager for both engines
@@ -114,7 +114,10 @@
 # TP=2 needs TP2_FLAGS='--compilation-config {"pass_config":{"fuse_allreduce_rms":false}}' there
 # (docs/support.md).
 set -u
-if [[ -f .gpu/env/install.sh ]]; then source .gpu/env/install.sh || exit; fi
+# vLLM 0.32.0 with its torch 2.13 where its pack came along (scripts/stage_gpu_vllm032.sh), else
+# vLLM 0.26.0's pack on the image's torch 2.11.
+if [[ -f .gpu32/env/install.sh ]]; then source .gpu32/env/install.sh || exit
+elif [[ -f .gpu/env/install.sh ]]; then source .gpu/env/install.sh || exit; fi
 export VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
 # The plugin's entry point for a checkout on PYTHONPATH with no install (beside an install, Python
 # reads one distribution per name).

@@ -17,6 +17,14 @@ behind the API server as "host a", a `--headless` launch of the others as "host 
 identity overridden through VLLM_AINFER_PD_HOST_ID). With TP >= 2 each host holds several ranks,
 so the lane takes `HierarchicalRendezvous` (shared memory within a host, gloo between the two);
 the run checks it did, then replays a short rollout through the same server.
+
+`--fail-at "<epoch>@<rank>:c<index>"` (or `:b<boundary>`) makes one world rank's P fail there
+while its peers' P goes on (`ainfer_pd_testing.faults`): the run then also requires that the
+failed epoch's jobs recomputed with the same tokens, and that every rank's log of the
+collectives it issued is one sequence (`ainfer_pd_testing.collective_log`).
+
+    python benchmarks/serve_parity_cpu.py --tp 2 --dp 2 --fail-at 0@1:c5 \
+        --out benchmarks/results/cpu/parity_tp2_dp2_ep_one_rank_fails.json
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int,
-                speculative_config: dict | None = None, hosts: int = 1):
+                speculative_config: dict | None = None, hosts: int = 1, fail_at: str = ""):
     from ainfer_pd_testing.metrics import settled_rank_metrics
     from ainfer_pd_testing.parity import ServerRunner, run_waves
     from vllm_ainfer_pd.rollout.backend_metrics import parse, read_metrics_text
@@ -52,15 +60,25 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
     if speculative_config is not None:
         args += ["--speculative-config", json.dumps(speculative_config)]
     extra: dict = {}
+    faults_env: dict = {}
+    if fail_at:
+        from ainfer_pd_testing.dev_server import SERVER_ENV
+        from ainfer_pd_testing.faults import WITH_LOG
+
+        args += ["--worker-extension-cls", WITH_LOG]
+        faults_env = SERVER_ENV
+        log_prefix = tempfile.mkdtemp(prefix="collectives-") + "/rank"
     start = time.time()
     with TwoHosts(model, args, tp, dp) if hosts == 2 else _nothing() as host_b:
-        env = {**cpu_env(tp * dp // hosts), **_step_limit(tp, dp)}
+        env = {**cpu_env(tp * dp // hosts), **_step_limit(tp, dp), **faults_env}
         if host_b is not None:
             args = args + host_b.front_args
             env = {**env, HOST_ID_ENV: "host-a"}
         with VllmServer(model, args, env, name=f"parity-{lane['mode']}",
                         startup_timeout_s=_request_timeout_s(tp, dp)) as srv:
             up = time.time() - start
+            if fail_at:
+                extra = _inject(srv.url, fail_at, log_prefix)
             out = run_waves(ServerRunner(srv.url, model, timeout_s=_request_timeout_s(tp, dp)),
                             waves, max_tokens)
             if host_b is not None:
@@ -68,12 +86,41 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
                          "rollout": short_rollout(srv.url)}
             lanes = settled_rank_metrics(srv.url, model, dp)  # every rank's last epochs reported
             text = read_metrics_text(srv.url)
+            if fail_at:
+                extra["collective_logs"] = _compare_logs(log_prefix, tp, dp)
+                extra["fault_logged"] = "injected fault" in srv.log_text()
     spec = {k: v for k, v in parse(text).items() if k.startswith("vllm:spec_decode")}
     return out, {"startup_s": round(up, 1), "lane_by_rank": lanes, **extra,
                  **({"spec_decode": spec} if speculative_config is not None else {})}
 
 
 HOST_ID_ENV = "VLLM_AINFER_PD_HOST_ID"
+
+
+def _inject(url: str, fail_at: str, log_prefix: str) -> dict:
+    """Start every rank's collective log and arm the fault, before the first wave."""
+    from ainfer_pd_testing.dev_server import collective_rpc
+    from ainfer_pd_testing.faults import inject_over_http
+
+    collective_rpc(url, "start_collective_log", prefix=log_prefix)
+    return {"fail_at": fail_at, "armed_on": inject_over_http(url, fail_at=fail_at)}
+
+
+def _compare_logs(log_prefix: str, tp: int, dp: int) -> dict:
+    """Each rank's log of its collectives (phase, collective, group, in issue order; shapes differ
+    between DP replicas): the TP ranks of a replica issue one sequence, and every rank issues one
+    sequence on the groups that span replicas (EP, DP). A replica's TP collectives need not match
+    another's: vLLM's dummy batch of an idle replica, for one, samples nothing."""
+    from ainfer_pd_testing.collective_log import first_divergence, read_logs
+
+    logs = [[" ".join(e.split()[:3]) for e in x] for x in read_logs(log_prefix, tp * dp)]
+    replicas = [logs[r * tp:(r + 1) * tp] for r in range(dp)]
+    spanning = [[e for e in x if e.split()[2].split(":")[0] != "tp"] for x in logs]
+    return {"entries": [len(x) for x in logs],
+            "p_entries": [sum(e.startswith("P ") for e in x) for x in logs],
+            "spanning_entries": [len(x) for x in spanning],
+            "first_divergence_in_a_replica": [first_divergence(r) for r in replicas],
+            "first_divergence_across_replicas": first_divergence(spanning)}
 
 
 def _request_timeout_s(tp: int, dp: int) -> float:
@@ -170,18 +217,23 @@ def main() -> None:
                              "\"num_speculative_tokens\": 3}' (the teacher forcer has none)")
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1,
                         help="2: serve pd as two \"hosts\" on this machine (module docstring)")
+    parser.add_argument("--fail-at", default="",
+                        help="one rank's P fails there, e.g. 0@1:c5 (module docstring)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from ainfer_pd_testing.parity import compare, offline_llm, parity_waves, run_waves
     from vllm_ainfer_pd.models import ensure_model
+    from vllm_ainfer_pd.vllm_glue.shapes import installed_release
 
     model = str(ensure_model("tiny", 0))
     waves = parity_waves(vocab_size=512)
     prompts = [p for w in waves for p in w]
-    result: dict = {"layout": {"tp": args.tp, "dp": args.dp, "expert_parallel": args.dp > 1},
+    result: dict = {"vllm": installed_release(),
+                    "layout": {"tp": args.tp, "dp": args.dp, "expert_parallel": args.dp > 1},
                     "p_host": args.p_host, "segment_policy": args.segment_policy,
-                    "speculative_config": args.speculative_config, "hosts": args.hosts}
+                    "speculative_config": args.speculative_config, "hosts": args.hosts,
+                    "fail_at": args.fail_at}
     lane = {"p_lane_min_tokens": 32, "p_host": args.p_host}
     if args.segment_policy is not None:
         lane["segment_policy"] = args.segment_policy
@@ -190,7 +242,8 @@ def main() -> None:
         print(f"[serve-parity] mode={mode} TP={args.tp} DP={args.dp}", file=sys.stderr, flush=True)
         outs[mode], result[mode] = serve_waves(model, args.tp, args.dp, {"mode": mode, **lane},
                                                waves, args.max_tokens, args.speculative_config,
-                                               args.hosts if mode == "pd" else 1)
+                                               args.hosts if mode == "pd" else 1,
+                                               args.fail_at if mode == "pd" else "")
     with offline_llm(model, 1) as stock:
         report = compare(prompts, outs["normal"], outs["pd"], stock.teacher_force)
         vs_stock = compare(prompts, run_waves(stock, waves, args.max_tokens), outs["pd"],
@@ -205,7 +258,18 @@ def main() -> None:
     # whose every epoch fails.
     result["p_jobs_failed"] = sum(v.get("vllm_ainfer_pd_p_jobs_failed_total", 0)
                                   for v in lanes.values())
-    result["ok"] = (report.fail == 0 and vs_stock.fail == 0 and result["p_jobs_failed"] == 0
+    # Without a fault no job may fail; with one, the failed rank's jobs (and its TP peers', which
+    # share their KV) must have failed and recomputed, and every rank's collectives be one order.
+    failed_ok = result["p_jobs_failed"] > 0 if args.fail_at else result["p_jobs_failed"] == 0
+    if args.fail_at:
+        logs = result["pd"]["collective_logs"]
+        failed_ok = (failed_ok and result["pd"]["fault_logged"] and min(logs["p_entries"]) > 0
+                     and logs["first_divergence_across_replicas"] is None
+                     and len(set(logs["spanning_entries"])) == 1
+                     and not any(logs["first_divergence_in_a_replica"])
+                     and all(len(set(logs["entries"][r * args.tp:(r + 1) * args.tp])) == 1
+                             for r in range(args.dp)))
+    result["ok"] = (report.fail == 0 and vs_stock.fail == 0 and failed_ok
                     and result["segments_equal_on_all_ranks"]
                     and len(lanes) == args.tp * args.dp and min(segments.values()) > 0)
     if args.hosts == 2:

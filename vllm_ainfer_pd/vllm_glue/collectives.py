@@ -39,6 +39,9 @@ PATCHES = [
 ] + [
     Patch("vllm.distributed.parallel_state:GroupCoordinator", "the route registers each group "
           "P uses by name and ranks", uses=("unique_name", "ranks", "world_size"), does="reads"),
+    Patch("vllm.forward_context:DPMetadata", "a failed rank's replay sizes its stand-ins for "
+          "the MoE dispatch and combine as vLLM's all-gather/reduce-scatter dispatch does",
+          uses=("local_sizes", "num_tokens_across_dp_cpu"), does="reads"),
 ]
 
 Issue = Callable[[Any, Callable[..., Any], tuple, dict], Any]
@@ -129,15 +132,18 @@ def stand_in(group: Any, collective: Any, args: tuple, kwargs: dict) -> Any:
     if name == "reduce_scatterv":
         return scattered(a["input_"], a["dim"], a["sizes"])
     if name in ("dispatch_router_logits", "dispatch", "combine"):
-        if a["is_sequence_parallel"]:
-            raise NotImplementedError(f"no stand-in for a sequence-parallel {name}")
+        # vLLM's all-gather/reduce-scatter dispatch takes its sizes from the forward context's
+        # DP metadata: one per DP rank, or with sequence-parallel MoE (TP > 1 with DP and EP)
+        # one per EP rank, each holding its share of its replica's tokens (`sp_local_sizes`).
         from vllm.forward_context import get_forward_context
 
-        sizes = get_forward_context().dp_metadata.num_tokens_across_dp_cpu.tolist()
-        dp_rank = group.rank_in_group // (world // len(sizes))
+        meta = get_forward_context().dp_metadata
+        sizes = (meta.local_sizes if meta.local_sizes is not None
+                 else meta.num_tokens_across_dp_cpu.tolist())
+        member = group.rank_in_group // (world // len(sizes))
         if name == "combine":
             t = a["hidden_states"]
-            return t.narrow(0, sum(sizes[:dp_rank]), sizes[dp_rank]).clone()
+            return t.narrow(0, sum(sizes[:member]), sizes[member]).clone()
         names = (("hidden_states", "router_logits") if name == "dispatch_router_logits"
                  else ("hidden_states", "topk_weights", "topk_ids"))
         out = [gathered(a[n], 0, sizes) for n in names]
