@@ -6,9 +6,9 @@ SHELL := /bin/bash
 .PHONY: env test test-fast test-vllm026 rollout model vllm-tests vllm-tests-032
 
 # What `make test-vllm026` runs on vLLM 0.26.0 beside the whole suite on 0.32.0: the start-up
-# check of 0.26's symbols, the tests 0.32 skips (routed experts; a pause test whose reference
-# needs a weight reload that reproduces a checkpoint), greedy parity at TP=1 and TP=2 with
-# drafting, an asymmetric P failure at TP=2, and P's own expert-parallel groups at DP=2 + EP.
+# check of 0.26's symbols, the tests 0.32 skips (routed experts; the DP=2 + EP pause test, whose
+# reference needs a weight reload that reproduces a checkpoint), greedy parity at TP=1 and at
+# TP=2 with drafting, and an asymmetric P failure at TP=2 (about 6 minutes).
 SLICE_026 = tests/test_vllm_glue.py tests/test_config_and_plugin.py tests/test_routed_experts.py \
   "tests/test_rl_frameworks.py::test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank" \
   tests/test_parity_offline.py::test_offline_tp1_matches_stock \
