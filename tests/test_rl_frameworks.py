@@ -383,8 +383,7 @@ def paused_over_http(url: str, model: str, ps: list[list[int]], mode: str, clear
     probes = [Streamed(url, model, SHORT, 2, rank) for rank in (0, 1)]
     time.sleep(1.5)  # outputs already on their way arrive; no token is made while paused
     frozen = [list(s.tokens) for s in streams]
-    if while_paused is not None and met_p_work({"lane_before": lane_before,
-                                                "lane_at_pause": lane_at_pause}):
+    if while_paused is not None and met_p_work(lane_before, lane_at_pause):
         while_paused()
     time.sleep(1.0)
     still = [list(s.tokens) for s in streams]
@@ -457,7 +456,7 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
                     lane, kv = settled(srv.url, tiny_model)
                     print(mode, "tokens at the pause:", [len(f) for f in run["frozen"]],
                           "lane:", lane, "KV usage:", kv, "idle:", idle_kv)
-                    if met_p_work(run):
+                    if met_p_work(run["lane_before"], run["lane_at_pause"]):
                         break
                     print(mode, "the pause met no P work; again with new prompts")
                 assert run is not None, f"{mode}: no pause point in {TRIES} tries"
@@ -470,9 +469,10 @@ def test_serve_dp2_ep_pause_keep_wait_abort_over_http_with_p_on_one_rank(referen
             raise
 
 
-def met_p_work(run: dict) -> bool:
-    """The pause cancelled P jobs (they were still in flight when it reached the engine)."""
-    return run["lane_at_pause"]["jobs_cancelled"] > run["lane_before"]["jobs_cancelled"]
+def met_p_work(before: dict, at_pause: dict) -> bool:
+    """The pause cancelled P jobs (they were still in flight when it reached the engine): the
+    lane's counters before the pause and once it returned."""
+    return at_pause["jobs_cancelled"] > before["jobs_cancelled"]
 
 
 def check_http_pause(run: dict, mode: str, ps: list[list[int]], reference: Reference,
@@ -484,7 +484,7 @@ def check_http_pause(run: dict, mode: str, ps: list[list[int]], reference: Refer
     # resume).
     before, at_pause = run["lane_before"], run["lane_at_pause"]
     assert before["inflight"] > 0 and at_pause["inflight"] == 0, (mode, before, at_pause)
-    assert met_p_work(run), (mode, before, at_pause)
+    assert met_p_work(before, at_pause), (mode, before, at_pause)
     assert run["still"] == run["frozen"], (mode, "tokens made while paused")
     assert run["probe_tokens_while_paused"] == [[], []], (mode, run["probe_tokens_while_paused"])
     assert all(len(t) == 2 and reason == "length" and error is None
