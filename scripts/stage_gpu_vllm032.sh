@@ -2,22 +2,23 @@
 # Stages vLLM 0.32.0 with its torch 2.13.0 for a GPU machine with no package index whose image
 # has torch 2.11 (CUDA 13): installs requirements/gpu-0.32.txt for Python 3.12 into a folder here
 # (no GPU needed, --no-deps), drops what a Hopper GPU never loads (FlashAttention-2's kernels,
-# vLLM's Rust router), packs the folder with gzip (torch's and NCCL's libraries hold compressed
-# device code, so a stronger compressor gains little and costs many minutes) and splits the pack
-# into parts small enough to travel beside the checkout, one per command. Output (git-ignored):
+# vLLM's Rust router, Triton's Blackwell assembler), packs the folder with xz (a third smaller
+# than gzip: Triton's LLVM and torch's host code compress well; about 10 minutes on 2 cores) and
+# splits the pack into parts small enough to travel beside the checkout, one per command.
+# Output (git-ignored):
 #   .gpu32/env          send it with EVERY command: install.sh and the part count
 #   .gpu32/p0 ... pN    one part per command until all have arrived, back to back
 # On the GPU machine each command begins with `source .gpu32/env/install.sh || exit`, which
 # collects the parts that command brought, unpacks once all have, and puts the pack on
 # PYTHONPATH (vLLM 0.32.0, torch 2.13.0, NCCL 2.29 ahead of the image's).
-#   PART_MIB     size of a part (default 48: the checkout travels with each)
+#   PART_MIB     size of a part (default 50: the checkout, about 10 MiB, travels with each)
 #   WHEELS_DIR   a folder of already downloaded wheels pip may take instead of the index
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 grep -qx '/.gpu32/' .git/info/exclude 2>/dev/null || echo '/.gpu32/' >> .git/info/exclude
 cache=${AINFER_GPU32_CACHE:-$HOME/.cache/ainfer-gpu32}
-pack=$cache/site.tar.gz
+pack=$cache/site.tar.xz
 reqs=$root/requirements/gpu-0.32.txt
 if [[ ! -f $pack || $reqs -nt $pack ]]; then
   echo "building the vLLM 0.32 GPU pack in $cache (several minutes, once)"
@@ -29,11 +30,12 @@ if [[ ! -f $pack || $reqs -nt $pack ]]; then
     --implementation cp --abi cp312 --abi abi3 --abi none $plats --target "$cache/site" \
     ${WHEELS_DIR:+--find-links "$WHEELS_DIR"} -r "$reqs" 2>&1 | { grep -v "^WARNING: " || true; }
   rm -rf "$cache/site/bin" "$cache/site/vllm/vllm-rs" \
-    "$cache/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
-  tar -C "$cache/site" -cf - . | gzip -1 > "$pack.tmp" && mv "$pack.tmp" "$pack"
+    "$cache/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" \
+    "$cache/site/triton/backends/nvidia/bin/ptxas-blackwell"
+  tar -C "$cache/site" -cf - . | xz -6 -T2 > "$pack.tmp" && mv "$pack.tmp" "$pack"
 fi
 rm -rf .gpu32 && mkdir -p .gpu32/build
-(cd .gpu32/build && split -b "${PART_MIB:-48}m" -d -a 2 "$pack" part.)
+(cd .gpu32/build && split -b "${PART_MIB:-50}m" -d -a 2 "$pack" part.)
 n=0
 for f in .gpu32/build/part.*; do mkdir -p ".gpu32/p$n"; mv "$f" ".gpu32/p$n/"; n=$((n+1)); done
 rm -rf .gpu32/build
@@ -54,7 +56,7 @@ if [[ ! -f $state/installed ]]; then
     return 3 2>/dev/null || exit 3
   fi
   mkdir -p $state/site
-  cat $state/parts/part.* | gzip -d | tar -C $state/site -xf - \
+  cat $state/parts/part.* | xz -d -T0 | tar -C $state/site -xf - \
     || { echo "ainfer-gpu32: unpack failed"; return 4 2>/dev/null || exit 4; }
   rm -rf $state/parts && mkdir -p $state/parts && touch $state/installed
   echo "ainfer-gpu32: unpacked $(du -sh $state/site | cut -f1) into $state/site"
@@ -65,5 +67,5 @@ export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 EOF
-echo "staged $n parts of ${PART_MIB:-48} MiB: send .gpu32/env with every command and one part"
+echo "staged $n parts of ${PART_MIB:-50} MiB: send .gpu32/env with every command and one part"
 echo "per command until installed; begin each command with: source .gpu32/env/install.sh || exit"
