@@ -11,7 +11,7 @@
 # On the GPU machine each command begins with `source .gpu32/env/install.sh || exit`, which
 # collects the parts that command brought, unpacks once all have, and puts the pack on
 # PYTHONPATH (vLLM 0.32.0, torch 2.13.0, NCCL 2.29 ahead of the image's).
-#   PART_MIB     size of a part (default 50: the checkout, about 10 MiB, travels with each)
+#   PART_MIB     size of a part (default 52: the checkout, about 10 MiB, travels with each)
 #   WHEELS_DIR   a folder of already downloaded wheels pip may take instead of the index
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -35,7 +35,7 @@ if [[ ! -f $pack || $reqs -nt $pack ]]; then
   tar -C "$cache/site" -cf - . | xz -6 -T2 > "$pack.tmp" && mv "$pack.tmp" "$pack"
 fi
 rm -rf .gpu32 && mkdir -p .gpu32/build
-(cd .gpu32/build && split -b "${PART_MIB:-50}m" -d -a 2 "$pack" part.)
+(cd .gpu32/build && split -b "${PART_MIB:-52}m" -d -a 2 "$pack" part.)
 n=0
 for f in .gpu32/build/part.*; do mkdir -p ".gpu32/p$n"; mv "$f" ".gpu32/p$n/"; n=$((n+1)); done
 rm -rf .gpu32/build
@@ -67,5 +67,5 @@ export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 EOF
-echo "staged $n parts of ${PART_MIB:-50} MiB: send .gpu32/env with every command and one part"
+echo "staged $n parts of ${PART_MIB:-52} MiB: send .gpu32/env with every command and one part"
 echo "per command until installed; begin each command with: source .gpu32/env/install.sh || exit"
