@@ -20,7 +20,9 @@ rendezvous rounds counted from the lane's start):
   failure, as an out-of-memory at one rank's own batch shape is; without `@<rank>`, every rank's
   P fails there (`"3:b2"`: before boundary 2, after layer 0's MoE dispatch and combine ran);
 - `slow_boundary_s=<seconds>`: P sleeps that long before each boundary on every rank (a slow P:
-  each round waits for P's stop at its permit, so an epoch spans more wall time, not more rounds);
+  each round waits for P's stop at its permit, so an epoch spans more wall time, not more rounds;
+  longer than `timeout_s`: a P that does not stop in time). A round whose D begins while P sleeps
+  there logs "D began round <r> on rank <k> while P was between boundaries";
 - `device_delay="<epoch>:<seconds>"`: that epoch's device work completes that long after P's
   last kernel was queued, on every rank (a slow device, or P's lowest-priority stream still
   behind D's kernels: the lane must not report the epoch's jobs, and so free their KV blocks,
@@ -60,14 +62,25 @@ class ScriptedFaults(FaultHooks):
             self.fail_at = (int(epoch), int(rank) if rank else None, point[0], int(point[1:]))
         epoch, _, seconds = device_delay.partition(":")
         self.device_delay = (int(epoch), float(seconds)) if device_delay else None
+        self.p_between_boundaries = False  # P sleeps in `at_boundary` (set on the P thread)
 
     def before_pre_d(self, rank: int, round: int, timeout_s: float) -> None:
+        if self.p_between_boundaries:
+            # The lane must never let D's iteration begin while P runs toward its permit (P may
+            # be about to issue collectives on D's communicators): the tests look for this line.
+            logger.error("D began round %d on rank %d while P was between boundaries", round,
+                         rank)
         if self.stall == (rank, round):
             logger.warning("injected stall: rank %d stalls before round %d", rank, round)
             time.sleep(1.25 * timeout_s)
 
     def at_boundary(self, rank: int, epoch: int, boundary: int) -> None:
-        time.sleep(self.slow_boundary_s)
+        if self.slow_boundary_s:
+            self.p_between_boundaries = True
+            try:
+                time.sleep(self.slow_boundary_s)
+            finally:
+                self.p_between_boundaries = False
         if boundary == 1 and epoch == self.fail_epoch and self.fail_rank is None:
             raise RuntimeError(f"injected fault: P epoch {epoch} fails on rank {rank}")
         if self._fails_at(rank, epoch, "b", boundary):

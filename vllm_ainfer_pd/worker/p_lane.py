@@ -31,6 +31,7 @@ from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.turnstile import (
     DrainTimeout,
     Load,
+    MissingProducerError,
     NullRendezvous,
     ProtocolError,
     Rendezvous,
@@ -307,7 +308,7 @@ class PLane(LaneRound):
         else:
             status = self.controller.status()
             state = {TaskState.PARKED: PState.PARKED, TaskState.DONE: PState.DONE}.get(
-                status.state, PState.STUCK)  # FAILED (no replay), or never stopped
+                status.state, PState.STUCK)  # FAILED where no replay could match its peers
             failed = 0 if epoch.error is None else (STOOD_IN if epoch.stood_in else CLEAN)
             mine = PreD(state, status.reached, failed, retired)
         start = time.perf_counter()
@@ -326,7 +327,12 @@ class PLane(LaneRound):
         start = time.perf_counter()
         try:
             self.controller.wait_parked()
-        except ProtocolError as exc:  # failed where no replay could match its peers, or hung
+        except MissingProducerError:
+            # P did not stop within `timeout_s`: its thread may still issue collectives on D's
+            # communicators, so D must not run its next iteration beside it. The engine step
+            # ends with the error (rank, epoch, the boundary awaited), as at a rendezvous timeout.
+            raise
+        except ProtocolError as exc:  # failed where no replay could match its peers
             epoch = self.epochs.current
             if epoch is not None and epoch.error is None:
                 epoch.error = exc
