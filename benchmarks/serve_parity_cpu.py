@@ -116,16 +116,16 @@ def _compare_logs(log_prefix: str, tp: int, dp: int) -> dict:
     logs = [[" ".join(e.split()[:3]) for e in x] for x in read_logs(log_prefix, tp * dp)]
     replicas = [logs[r * tp:(r + 1) * tp] for r in range(dp)]
     spanning = [[e for e in x if e.split()[2].split(":")[0] != "tp"] for x in logs]
-    groups = [*replicas, spanning]
+    in_replicas = [first_divergence(r) for r in replicas]
+    across = first_divergence(spanning)
     # first_divergence lets a shorter log be a prefix of the others: the lengths must match too.
-    one_sequence = all(first_divergence(g) is None and len({len(x) for x in g}) == 1
-                       for g in groups)
+    same_lengths = all(len({len(x) for x in g}) == 1 for g in (*replicas, spanning))
     return {"entries": [len(x) for x in logs],
             "p_entries": [sum(e.startswith("P ") for e in x) for x in logs],
             "spanning_entries": [len(x) for x in spanning],
-            "first_divergence_in_a_replica": [first_divergence(r) for r in replicas],
-            "first_divergence_across_replicas": first_divergence(spanning),
-            "one_sequence": one_sequence}
+            "first_divergence_in_a_replica": in_replicas,
+            "first_divergence_across_replicas": across,
+            "one_sequence": same_lengths and across is None and not any(in_replicas)}
 
 
 def _request_timeout_s(tp: int, dp: int) -> float:
