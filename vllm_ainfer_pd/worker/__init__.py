@@ -14,6 +14,7 @@ only calls that all DP ranks make together.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -195,3 +196,8 @@ class AInferPDWorker(_platform_worker_cls()):
             except Exception as exc:  # a peer gone at shutdown: say so, and shut down anyway
                 logger.warning("P lane rank %d: %s", rank, exc)
         super().shutdown()
+        # This worker runs in a process of its own (the backend's executor is vLLM's
+        # multiprocess one), which ends right after this. Freezing the heap skips the
+        # interpreter's final cyclic-GC scan of it, as vLLM does on ROCm: the exit reclaims the
+        # memory anyway, and the scan took 2-3 s of a core per rank on the CPU.
+        gc.freeze()
