@@ -70,7 +70,8 @@ def serve_waves(model: str, tp: int, dp: int, lane: dict, waves, max_tokens: int
         log_prefix = tempfile.mkdtemp(prefix="collectives-") + "/rank"
     start = time.time()
     with TwoHosts(model, args, tp, dp) if hosts == 2 else _nothing() as host_b:
-        env = {**cpu_env(tp * dp // hosts), **_step_limit(tp, dp), **faults_env}
+        env = {**(two_host_cpu_env(tp * dp // 2) if hosts == 2 else cpu_env(tp * dp)),
+               **_step_limit(tp, dp), **faults_env}
         if host_b is not None:
             args = args + host_b.front_args
             env = {**env, HOST_ID_ENV: "host-a"}
@@ -133,7 +134,7 @@ def _request_timeout_s(tp: int, dp: int) -> float:
     seconds: vLLM's CPU shared-memory all-gather of a TP group spins while it waits for its peer,
     and on these cores the spinning rank of one DP replica shares a core with the rank the other
     replica's spinner waits for (seen as 4 to over 10 minutes of start-up, and several minutes
-    per wave, for the TP=2 x DP=2 two-host launch)."""
+    per wave, for the TP=2 x DP=2 two-host launch while its ranks were pinned)."""
     return 1800.0 if tp * dp >= 4 else 300.0
 
 
@@ -142,6 +143,17 @@ def _step_limit(tp: int, dp: int) -> dict[str, str]:
     VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (default 300 s); a step of 4 ranks on 2 cores took longer
     (the two-host launch's first step, RESULTS.md), so a step gets a request's limit."""
     return {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(_request_timeout_s(tp, dp)))}
+
+
+def two_host_cpu_env(ranks: int) -> dict[str, str]:
+    """The CPU settings of one of the two "hosts": its ranks unpinned, one OpenMP thread each.
+    Pinned one core per rank (`cpu_env`, each host pinning its own ranks to cores 0 and 1), a TP
+    rank spinning in vLLM's CPU shared-memory TP all-reduce took 84-89% of a core while the rank
+    it waited for, pinned beside another spinner, got 9-10%, and a wave took minutes. Unpinned,
+    the kernel moves a starved rank to the other core."""
+    from vllm_ainfer_pd.rollout.cpu_engine import cpu_env
+
+    return {**cpu_env(ranks), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 @contextlib.contextmanager
@@ -168,13 +180,12 @@ class TwoHosts:
                                                delete=False)
 
     def __enter__(self) -> TwoHosts:
-        from vllm_ainfer_pd.rollout.cpu_engine import cpu_env
         from vllm_ainfer_pd.rollout.server import vllm_command
 
         self.proc = subprocess.Popen(
             vllm_command() + ["serve", self.model, *self.args], stdout=self.log,
             stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **cpu_env(self.tp * self.local),
+            env={**os.environ, **two_host_cpu_env(self.tp * self.local),
                  **_step_limit(self.tp, 2 * self.local), HOST_ID_ENV: "host-b"})
         return self
 
