@@ -53,11 +53,12 @@ def child(tp: int) -> dict:
 
 
 def run(runner: str, tp: int) -> dict:
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONPATH": os.pathsep.join(
-               [str(SHIM)] * (runner == "v2") + [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     if runner == "v2":
-        env["AINFER_PD_MRV2_CPU"] = "1"
+        path.insert(0, str(SHIM))
+        env.update(VLLM_USE_V2_MODEL_RUNNER="1", AINFER_PD_MRV2_CPU="1")
+    env["PYTHONPATH"] = os.pathsep.join(path)
     proc = subprocess.run([sys.executable, __file__, "--child", str(tp)], env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
