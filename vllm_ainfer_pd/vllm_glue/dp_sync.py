@@ -16,15 +16,23 @@ would read it (`.item()`) anyway, and hands vLLM its four rows on the host, so t
 add no device synchronisation. `set_source(fn)` names what the rows carry on this rank (the
 lane's queued P tokens and decode rows); without a source the stock function runs.
 `lane_rows()` gives the rows of the last all-reduce.
+
+Model Runner V2 (vLLM 0.32 on) synchronises DP ranks in its own function instead
+(`vllm.v1.worker.gpu.dp_utils.sync_cudagraph_and_dp_padding`, a [6, dp_size] CPU tensor
+all-reduced on the DP group's gloo group); `_run_ar` is never called there. `install()` wraps
+that function too: the lane's two rows go in a [2, dp_size] all-reduce of their own on the same
+group just before it, one more small host all-reduce per forward, since copying the function's
+140 lines to widen its tensor would tie the lane to every change vLLM makes to it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from vllm_ainfer_pd.vllm_glue.shapes import Patch
+from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 PATCHES = [
     Patch("vllm.v1.worker.dp_utils:_run_ar",
@@ -33,6 +41,15 @@ PATCHES = [
            "cudagraph_mode", "parallel_config"), does="replaces"),
     Patch("vllm.v1.worker.dp_utils:_get_device_and_group", "the group the patched all-reduce uses",
           ("parallel_config",), does="calls"),
+    Patch("vllm.v1.worker.gpu.dp_utils:sync_cudagraph_and_dp_padding", "Model Runner V2's "
+          "per-forward DP sync: the lane's rows are all-reduced on its group just before it",
+          ("cudagraph_manager", "desired_batch_desc", "num_tokens", "num_reqs",
+           "uniform_token_count", "dp_size", "dp_rank", "max_query_len", "num_active_loras",
+           "parallel_config", "allow_ubatching", "uniform_decode"), does="wraps", vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.dp_utils:get_dp_group", "the group Model Runner V2's DP sync "
+          "all-reduces on (its `cpu_group`)", (), does="calls", vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.dp_utils:should_skip_dp_coordination", "a forward whose DP sync "
+          "vLLM skips (elastic EP) carries no lane rows either", (), does="calls", vllm=">=0.32"),
 ]
 
 _source: Callable[[], tuple[int, int]] | None = None
@@ -54,6 +71,37 @@ def lane_rows() -> tuple[list[int], list[int]] | None:
 
 
 def install() -> None:
+    """Patch the DP sync of both runners (only the one the engine's runner uses is called)."""
+    _install_v1()
+    if vllm_at_least("0.32"):
+        _install_v2()
+
+
+def _install_v2() -> None:
+    from vllm.v1.worker.gpu import dp_utils
+
+    if getattr(dp_utils.sync_cudagraph_and_dp_padding, "_ainfer_pd", False):
+        return
+    stock = dp_utils.sync_cudagraph_and_dp_padding
+
+    @functools.wraps(stock)
+    def sync_cudagraph_and_dp_padding(cudagraph_manager, desired_batch_desc, num_tokens,
+                                      num_reqs, uniform_token_count, dp_size, dp_rank,
+                                      *args, **kwargs):
+        global _last_rows
+        if _source is not None and not dp_utils.should_skip_dp_coordination():
+            rows = torch.zeros(2, dp_size, dtype=torch.int32)
+            rows[0][dp_rank], rows[1][dp_rank] = _source()
+            torch.distributed.all_reduce(rows, group=dp_utils.get_dp_group().cpu_group)
+            _last_rows = rows.tolist()
+        return stock(cudagraph_manager, desired_batch_desc, num_tokens, num_reqs,
+                     uniform_token_count, dp_size, dp_rank, *args, **kwargs)
+
+    sync_cudagraph_and_dp_padding._ainfer_pd = True
+    dp_utils.sync_cudagraph_and_dp_padding = sync_cudagraph_and_dp_padding
+
+
+def _install_v1() -> None:
     from vllm.v1.worker import dp_utils
 
     if getattr(dp_utils._run_ar, "_ainfer_pd", False):

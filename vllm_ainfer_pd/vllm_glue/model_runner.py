@@ -1,5 +1,7 @@
 """What the P lane reads of vLLM's GPU model runner (which the CPU runner subclasses) to build
-P's batch and attention metadata beside D's (`worker/p_batch.py`, `worker/p_lane.py`).
+P's batch and attention metadata beside D's (`worker/p_batch.py`, `worker/p_lane.py`): the V1
+runner (`gpu_model_runner`), or Model Runner V2 (`gpu/model_runner`, vLLM 0.32 on), which keeps
+the same attention groups but no persistent input batch (docs/model-runner-v2.md).
 
 No patch: P never touches the runner's persistent buffers or input batch, but it copies their
 shapes (block sizes, input dtypes, the batch order the attention builders assume) and builds
@@ -31,6 +33,19 @@ PATCHES = [
           "KV-manager block's; the table's `block_size` is the manager's), which vLLM applies in "
           "the group's `build_metadata`: P applies it to its own table",
           uses=("kernel_block_size", "kv_cache_spec"), does="reads", vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "Model Runner V2: P's model, device, "
+          "KV cache groups, manager block sizes, input dtypes and batch order",
+          uses=("vllm_config", "device", "get_model", "attn_groups", "block_tables",
+                "input_buffers", "decode_query_len"), does="reads", vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.block_table:BlockTables", "Model Runner V2: each KV cache group's "
+          "KV-manager block size", uses=("block_sizes",), does="reads", vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.input_batch:InputBuffers", "Model Runner V2: the dtypes of D's "
+          "token ids and positions", uses=("input_ids", "positions"), does="reads",
+          vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.model_runner:sort_batch_req_ids", "Model Runner V2's order of a "
+          "batch's requests, which its attention builders assume: P's batch takes it too",
+          ("num_tokens_per_req", "draft_tokens", "decode_query_len"), does="calls",
+          vllm=">=0.32"),
     Patch("vllm.v1.attention.backend:AttentionBackend.get_name", "the attention backend vLLM "
           "chose for a KV cache group, by name (`attention_backends.py`)", (), does="calls"),
     Patch("vllm.v1.attention.backend:AttentionMetadataBuilder.__init__", "P's builders are new "
@@ -52,20 +67,47 @@ PATCHES = [
 ]
 
 
+def runs_model_runner_v2(runner: Any) -> bool:
+    """Whether `runner` is Model Runner V2 (the runner vLLM's worker built from this flag)."""
+    return bool(runner.vllm_config.use_v2_model_runner)
+
+
 def kernel_blocks(runner: Any, gid: int) -> tuple[int, int]:
     """(kernel block size, kernel blocks per KV-manager block) of KV cache group `gid`: the
     attention kernels address KV in kernel blocks, which may be smaller than the manager's."""
-    table = runner.input_batch.block_table[gid]
     if not vllm_at_least("0.32"):
+        table = runner.input_batch.block_table[gid]
         return table.block_size, table.blocks_per_kv_block
+    manager = (runner.block_tables.block_sizes[gid] if runs_model_runner_v2(runner)
+               else runner.input_batch.block_table[gid].block_size)
     sizes = {group.kernel_block_size for group in runner.attn_groups[gid]}
     if sizes == {None}:
-        return table.block_size, 1
+        return manager, 1
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"the P lane needs one kernel block size per KV cache group; group "
                          f"{gid} has {sorted(map(str, sizes))}")
     kernel = sizes.pop()
-    return kernel, table.block_size // kernel
+    return kernel, manager // kernel
+
+
+def input_dtypes(runner: Any) -> tuple[Any, Any]:
+    """The dtypes of D's token ids and positions. P runs D's compiled graph, which vLLM calls
+    without guards, so P's inputs must have the dtypes D's buffers gave it at compile time (token
+    ids are int32 there: an int64 tensor would be read as pairs of int32 words)."""
+    if runs_model_runner_v2(runner):
+        return runner.input_buffers.input_ids.dtype, runner.input_buffers.positions.dtype
+    return (getattr(runner.input_ids, "gpu", runner.input_ids).dtype,
+            getattr(runner.positions, "gpu", runner.positions).dtype)
+
+
+def v2_batch_order(runner: Any, query_lens: list[int]) -> list[int]:
+    """The indices of a batch's requests in Model Runner V2's order (`sort_batch_req_ids`: decodes,
+    then ascending query length), for requests without draft tokens, as P's are."""
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    order = sort_batch_req_ids({str(i): n for i, n in enumerate(query_lens)}, {},
+                               runner.decode_query_len)
+    return [int(i) for i in order]
 
 
 def private_cpu_copies(seq_lens_cpu: Any, num_computed_tokens_cpu: Any) -> dict[str, Any]:

@@ -84,7 +84,9 @@ def _has(obj: object, name: str) -> bool:
         return True
     # An instance attribute: assigned in a method of the class or of a base (read from vLLM's
     # source, which its wheels ship; without the source the attribute is not checked).
-    assigned = re.compile(rf"\bself\.{re.escape(name)}\b\s*(:[^=\n]*)?=[^=]")
+    # A target of a tuple assignment counts too: `(self.a, self.b) = ...` over several lines.
+    assigned = re.compile(rf"\bself\.{re.escape(name)}\b\s*(:[^=\n]*)?=[^=]"
+                          rf"|\bself\.{re.escape(name)}\s*,[\w\s.,]*\)?\s*=[^=]")
     for klass in obj.__mro__:
         source = _source(klass)
         if source is None and klass.__module__.startswith("vllm"):

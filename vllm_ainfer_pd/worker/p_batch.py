@@ -58,11 +58,7 @@ class PBatchBuilder:
             self.groups.append((*model_runner_glue.kernel_blocks(runner, gid), builders))
         if not self.groups:
             raise ValueError("the P lane needs a model with attention KV cache groups")
-        # P runs D's compiled graph, which vLLM calls without guards: P's inputs must have the
-        # dtypes D's persistent buffers gave it at compile time (input ids are int32 there; an
-        # int64 tensor would be read as pairs of int32 words).
-        self.ids_dtype = getattr(runner.input_ids, "gpu", runner.input_ids).dtype
-        self.positions_dtype = getattr(runner.positions, "gpu", runner.positions).dtype
+        self.ids_dtype, self.positions_dtype = model_runner_glue.input_dtypes(runner)
 
     def no_work(self, num_tokens: int = 1) -> PBatch:
         """Dummy tokens, no attention metadata and no KV slots: attention writes nothing."""
@@ -134,7 +130,11 @@ class PBatchBuilder:
         threshold to their decode kernels and the rest to their prefill kernels. Out of order, a
         short chunk behind a long one would take the prefill kernels where stock vLLM takes the
         decode kernels (MLA: decompressed rather than absorbed attention; the same math, other
-        rounding)."""
+        rounding). Model Runner V2 orders a batch by query length instead."""
+        if model_runner_glue.runs_model_runner_v2(self.runner):
+            order = model_runner_glue.v2_batch_order(self.runner,
+                                                     [j.end - j.start for j in jobs])
+            return [jobs[i] for i in order]
         threshold = getattr(self.runner, "reorder_batch_threshold", None)
         if threshold is None:
             return jobs
