@@ -293,15 +293,35 @@ def test_the_stateless_all2all_backend_and_single_dp_expert_parallelism_run_the_
     assert AInferPDExecutor.validate(vllm_config).mode == "pd"
 
 
-def test_model_runner_v2_is_refused_with_the_variable_that_turns_it_off(vllm_config, monkeypatch):
+def test_model_runner_v2_runs_the_lane_from_vllm_032_and_is_refused_before(vllm_config,
+                                                                          monkeypatch):
     """vLLM picks Model Runner V2 on GPU for dense models and some MoE architectures unless
-    VLLM_USE_V2_MODEL_RUNNER=0; the CPU platform cannot build a V2 config (no Triton), so the
-    variable is set after this V1 config was built, as vLLM's property reads it each time."""
+    VLLM_USE_V2_MODEL_RUNNER=0; the CPU platform builds a V1 config without Triton, so the
+    variable is set after the config was built, as vLLM's property reads it each time. From vLLM
+    0.32 the lane runs on it, with the V2 features P's batch does not describe refused by name;
+    before, it is refused with the variable that turns it off."""
     from vllm_ainfer_pd.executor import AInferPDExecutor
+    from vllm_ainfer_pd.vllm_glue import vllm_at_least
 
     assert AInferPDExecutor.validate(vllm_config).mode == "pd"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert vllm_config.use_v2_model_runner
-    with pytest.raises(ConfigError, match=r"selects Model Runner V2 \(vLLM's default for "
-                                          r"Qwen3MoeForCausalLM\); set VLLM_USE_V2_MODEL_RUNNER=0"):
+    if not vllm_at_least("0.32"):
+        with pytest.raises(ConfigError, match=r"runs on vLLM's Model Runner V2 from vLLM 0\.32; "
+                                              r"vLLM 0\.26\.0 selects it here \(its default for "
+                                              r"Qwen3MoeForCausalLM\): set "
+                                              r"VLLM_USE_V2_MODEL_RUNNER=0"):
+            AInferPDExecutor.validate(vllm_config)
+        return
+    from vllm.config.attention import HiSparseConfig
+
+    assert AInferPDExecutor.validate(vllm_config).mode == "pd"
+    vllm_config.cache_config.kv_sharing_fast_prefill = True
+    with pytest.raises(ConfigError, match=r"does not run KV-sharing fast prefill"):
         AInferPDExecutor.validate(vllm_config)
+    vllm_config.cache_config.kv_sharing_fast_prefill = False
+    vllm_config.attention_config.hisparse_config = HiSparseConfig()
+    with pytest.raises(ConfigError, match=r"does not run HiSparse attention"):
+        AInferPDExecutor.validate(vllm_config)
+    vllm_config.additional_config = {"ainfer_pd": {"mode": "normal"}}
+    assert AInferPDExecutor.validate(vllm_config).mode == "normal"  # no lane: nothing refused

@@ -12,7 +12,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_ainfer_pd import attention_backends
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
-from vllm_ainfer_pd.vllm_glue import check_vllm, engine_config
+from vllm_ainfer_pd.vllm_glue import check_vllm, engine_config, installed_release, vllm_at_least
 from vllm_ainfer_pd.vllm_glue.engine_config import raise_worker_start_errors
 
 WORKER_CLS = "vllm_ainfer_pd.worker.AInferPDWorker"
@@ -45,15 +45,8 @@ class AInferPDExecutor(MultiprocExecutor):
                 f"ainfer_pd does not support pipeline parallelism "
                 f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
             )
-        if vllm_config.use_v2_model_runner and not __import__('os').environ.get('XX_MRV2'):
-            # vLLM's GPU default for dense models and some MoE architectures; the worker and the P
-            # lane are built on the V1 runner's input batch, attention groups and CUDA graphs.
-            architectures = getattr(vllm_config.model_config, "architectures", None) or ["?"]
-            raise ConfigError(
-                f"ainfer_pd runs on vLLM's V1 GPU model runner, but this configuration selects "
-                f"Model Runner V2 (vLLM's default for {', '.join(architectures)}); set "
-                f"VLLM_USE_V2_MODEL_RUNNER=0"
-            )
+        if vllm_config.use_v2_model_runner:
+            check_model_runner_v2(vllm_config, config)
         if getattr(parallel, "enable_dbo", False):
             raise ConfigError("ainfer_pd cannot run with dual-batch overlap (--enable-dbo)")
         if parallel.worker_cls not in PLATFORM_WORKERS and parallel.worker_cls != WORKER_CLS:
@@ -68,7 +61,8 @@ class AInferPDExecutor(MultiprocExecutor):
         if config.p_lane_enabled and engine_config.returns_routed_experts(vllm_config):
             # vLLM 0.26 refuses routed-expert capture beside any KV connector (VllmConfig checks
             # it again in EngineCore, after the model is loaded); the lane runs in that slot.
-            # vLLM 0.32 returns them from Model Runner V2 only, which the lane does not run.
+            # vLLM 0.32 captures them in Model Runner V2's forward hooks, which would record P's
+            # MoE routing, on P's thread, into D's step.
             raise ConfigError("ainfer_pd mode='pd' cannot return routed experts "
                               "(--enable-return-routed-experts): vLLM refuses them beside a "
                               "KV connector, and the P lane runs in vLLM's KV-connector slot; "
@@ -99,6 +93,34 @@ class AInferPDExecutor(MultiprocExecutor):
         scheduler.scheduler_cls = ASYNC_SCHEDULER_CLS if scheduler.async_scheduling \
             else SCHEDULER_CLS
         super()._init_executor()
+
+
+def check_model_runner_v2(vllm_config, config: AInferPDConfig) -> None:
+    """Model Runner V2 (vLLM's default runner since 0.29) runs the lane from vLLM 0.32, the first
+    release it was built and tested on (docs/model-runner-v2.md); before that it is refused with
+    the variable that selects the V1 runner. The V2 features P's own batch does not describe are
+    refused by name (a model whose V2 model state is not the default one is refused when the
+    lane starts: `vllm_glue.model_runner.check_model_state`)."""
+    if not vllm_at_least("0.32"):
+        architectures = getattr(vllm_config.model_config, "architectures", None) or ["?"]
+        raise ConfigError(
+            f"ainfer_pd runs on vLLM's Model Runner V2 from vLLM 0.32; vLLM "
+            f"{installed_release()} selects it here (its default for "
+            f"{', '.join(architectures)}): set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    if not config.p_lane_enabled:
+        return
+    if vllm_config.cache_config.kv_sharing_fast_prefill:
+        # The runner then builds the forward's logits indices into the attention metadata,
+        # which P's batch (no logits) does not carry.
+        raise ConfigError("ainfer_pd mode='pd' on Model Runner V2 does not run KV-sharing fast "
+                          "prefill (--kv-sharing-fast-prefill); use mode='normal'")
+    if vllm_config.attention_config.hisparse_config is not None:
+        # HiSparse offloads sparse-MLA KV to a host pool behind a per-request hot buffer the
+        # runner keeps for D's steps; P's writes into its reserved blocks are not in that
+        # bookkeeping.
+        raise ConfigError("ainfer_pd mode='pd' on Model Runner V2 does not run HiSparse "
+                          "attention (attention_config.hisparse_config); use mode='normal'")
 
 
 def check_lane_parallelism(parallel, config: AInferPDConfig) -> None:

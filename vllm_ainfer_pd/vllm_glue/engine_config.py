@@ -13,10 +13,11 @@ from typing import Any
 from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 PATCHES = [
-    Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; V2 runner and "
-          "LoRA are refused", uses=("kv_transfer_config", "use_v2_model_runner", "lora_config",
+    Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; Model Runner V2 "
+          "before 0.32 and LoRA are refused", uses=("kv_transfer_config", "use_v2_model_runner", "lora_config",
                                     "additional_config", "attention_config",
-                                    "speculative_config", "device_config"), does="sets"),
+                                    "speculative_config", "device_config", "cache_config"),
+          does="sets"),
     Patch("vllm.config:SchedulerConfig", "the planner's scheduler class; a connector without "
           "hybrid-KV support needs the hybrid KV cache manager off",
           uses=("scheduler_cls", "async_scheduling", "disable_hybrid_kv_cache_manager",
@@ -31,10 +32,14 @@ PATCHES = [
           "connector by vLLM itself) is refused at validation",
           uses=("enable_return_routed_experts",), vllm="<0.32"),
     Patch("vllm.config:VllmConfig", "routed-expert capture is refused at validation (an "
-          "auxiliary output of Model Runner V2, which the lane does not run)",
+          "auxiliary output of Model Runner V2, whose hooks would record P's routing)",
           uses=("aux_output_config",), vllm=">=0.32"),
     Patch("vllm.config.aux_output:AuxOutputConfig", "where routed-expert capture is asked for",
           uses=("enable_return_routed_experts",), vllm=">=0.32"),
+    Patch("vllm.config:CacheConfig", "KV-sharing fast prefill is refused with the lane on Model "
+          "Runner V2", uses=("kv_sharing_fast_prefill",), vllm=">=0.32"),
+    Patch("vllm.config:AttentionConfig", "HiSparse attention is refused with the lane on Model "
+          "Runner V2", uses=("hisparse_config",), vllm=">=0.32"),
     Patch("vllm.config:AttentionConfig", "an attention backend the user names is checked "
           "against the ones the lane serves (`attention_backends.py`)",
           uses=("backend", "backend_per_kind")),

@@ -36,7 +36,10 @@ PATCHES = [
     Patch("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "Model Runner V2: P's model, device, "
           "KV cache groups, manager block sizes, input dtypes and batch order",
           uses=("vllm_config", "device", "get_model", "attn_groups", "block_tables",
-                "input_buffers", "decode_query_len"), does="reads", vllm=">=0.32"),
+                "input_buffers", "decode_query_len", "model_state"), does="reads",
+          vllm=">=0.32"),
+    Patch("vllm.v1.worker.gpu.model_states.default:DefaultModelState", "Model Runner V2: the "
+          "model state whose inputs are P's token ids and positions alone", vllm=">=0.32"),
     Patch("vllm.v1.worker.gpu.block_table:BlockTables", "Model Runner V2: each KV cache group's "
           "KV-manager block size", uses=("block_sizes",), does="reads", vllm=">=0.32"),
     Patch("vllm.v1.worker.gpu.input_batch:InputBuffers", "Model Runner V2: the dtypes of D's "
@@ -88,6 +91,18 @@ def kernel_blocks(runner: Any, gid: int) -> tuple[int, int]:
                          f"{gid} has {sorted(map(str, sizes))}")
     kernel = sizes.pop()
     return kernel, manager // kernel
+
+
+def check_model_state(runner: Any) -> None:
+    """Model Runner V2 keeps a model's own inputs (Mamba state, encoder outputs, M-RoPE positions,
+    multimodal embeddings, prompt embeddings) in a model state beside its batch; P's batch carries
+    only token ids and positions, which is what the default model state gives the model."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    if runs_model_runner_v2(runner) and type(runner.model_state) is not DefaultModelState:
+        raise ValueError(f"ainfer_pd mode='pd' on Model Runner V2 runs models of vLLM's default "
+                         f"model state; this model's is {type(runner.model_state).__name__}: use "
+                         f"mode='normal'")
 
 
 def input_dtypes(runner: Any) -> tuple[Any, Any]:

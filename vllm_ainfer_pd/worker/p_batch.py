@@ -35,6 +35,7 @@ class PBatchBuilder:
     """Builds `PBatch`es for one model runner's KV cache groups."""
 
     def __init__(self, runner: Any) -> None:
+        model_runner_glue.check_model_state(runner)
         self.runner = runner
         self.device = runner.device
         self.vllm_config = runner.vllm_config
