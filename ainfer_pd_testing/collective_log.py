@@ -66,15 +66,19 @@ class CollectiveLog:
             if collective is not None:
                 setattr(GroupCoordinator, name, record(collective))
         if rank == delay_rank and delay_s > 0:
+            # The drafter's entry: the V1 runner's method, or Model Runner V2's speculator's.
             runner = self.model_runner
-            propose = runner.propose_draft_token_ids
+            owner, name = ((runner, "propose_draft_token_ids")
+                           if hasattr(runner, "propose_draft_token_ids")
+                           else (runner.speculator, "propose"))
+            propose = getattr(owner, name)
 
             @functools.wraps(propose)
             def delayed(*args, **kwargs):
                 time.sleep(delay_s)  # between the step's forward and its drafter's
                 return propose(*args, **kwargs)
 
-            runner.propose_draft_token_ids = delayed
+            setattr(owner, name, delayed)
 
 
 def read_logs(prefix: str, ranks: int) -> list[list[str]]:

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIM = ROOT / "ainfer_pd_testing" / "mrv2_cpu"
+sys.path.insert(0, str(ROOT))
+from ainfer_pd_testing.model_runner_v2 import v2_env  # noqa: E402
 PROMPTS = [[5, 17, 99, 250, 31, 8], [400, 12, 77], [3, 3, 3, 3, 90, 120, 61, 7, 7], [250] * 12]
 MAX_TOKENS = 16
 
@@ -53,12 +54,11 @@ def child(tp: int) -> dict:
 
 
 def run(runner: str, tp: int) -> dict:
-    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_USE_V2_MODEL_RUNNER": "0",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     if runner == "v2":
-        path.insert(0, str(SHIM))
-        env.update(VLLM_USE_V2_MODEL_RUNNER="1", AINFER_PD_MRV2_CPU="1")
-    env["PYTHONPATH"] = os.pathsep.join(path)
+        env = v2_env(env)
     proc = subprocess.run([sys.executable, __file__, "--child", str(tp)], env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

@@ -1,6 +1,13 @@
-"""Fixtures shared by the whole suite: the generated tiny models (cached across runs)."""
+"""Fixtures shared by the whole suite: the generated tiny models (cached across runs).
+
+`AINFER_PD_TEST_RUNNER=v2` runs every engine the tests start on vLLM's Model Runner V2
+(`ainfer_pd_testing.model_runner_v2`; vLLM 0.32 on); unset, vLLM picks the runner, which on the
+CPU without a Triton CPU backend is the V1 runner.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -27,6 +34,16 @@ MULTI_RANK = (
     "tests/test_asymmetric_failures.py",  # TP=2
     "tests/test_parity_offline.py::test_offline_tp2_drafting_stays_inside_the_round",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    runner = os.environ.get("AINFER_PD_TEST_RUNNER", "")
+    if runner not in ("", "v1", "v2"):
+        raise pytest.UsageError(f"AINFER_PD_TEST_RUNNER={runner!r}: use v1 or v2")
+    if runner == "v2":
+        from ainfer_pd_testing.model_runner_v2 import use_model_runner_v2
+
+        use_model_runner_v2()
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from ainfer_pd_testing.model_runner_v2 import expected_runner
 from ainfer_pd_testing.parity import compare, offline_llm, parity_waves, run_waves, stock_alone
 from ainfer_pd_testing.router_probe import EXTENSION as ROUTER_PROBE
 from ainfer_pd_testing.router_probe import prefill_router_margins
@@ -44,6 +45,7 @@ def test_offline_tp1_matches_stock(stock_tp1, tiny_model):
         ours_out = run_waves(ours, WAVES, MAX_TOKENS)
         status = ours.worker_status()
     assert [(s["worker"], s["rank"], s["mode"]) for s in status] == [("AInferPDWorker", 0, "pd")]
+    assert status[0]["model_runner"] == expected_runner()  # V2 under AINFER_PD_TEST_RUNNER=v2
     assert status[0]["attention_backends"] == ["CPU_ATTN"]  # checked by the worker at start
     assert_lane_overlapped_d(status)
     # fine ordering, K=1, 4 decoder layers: each epoch is 5 segments (entry + embedding, then one
@@ -160,7 +162,8 @@ def test_offline_tp2_drafting_stays_inside_the_round(tiny_model, tmp_path):
             status = ours.worker_status()
         report = compare(PROMPTS, stock_out, ours_out, stock.teacher_force)
     logs = read_logs(prefix, 2)
-    assert [s["worker"] for s in status] == ["AInferPDWorker"] * 2
+    assert [(s["worker"], s["model_runner"]) for s in status] == \
+        [("AInferPDWorker", expected_runner())] * 2
     assert_lane_overlapped_d(status)
     lanes = [s["p_lane"] for s in status]
     # Both TP ranks ran the same epochs and segments; P's TP all-reduces went through the stream

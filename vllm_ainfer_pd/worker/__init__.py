@@ -48,6 +48,10 @@ class AInferPDWorker(_platform_worker_cls()):
         lane = self.p_lane
         return {
             "worker": type(self).__name__,
+            # vLLM's runner under the worker: the V1 runner's module is `*_model_runner`,
+            # Model Runner V2's `vllm.v1.worker.{gpu,cpu}.model_runner`.
+            "model_runner": f"{type(self.model_runner).__module__}."
+                            f"{type(self.model_runner).__qualname__}",
             "rank": self.rank if lane is None else lane.rank,
             "mode": AInferPDConfig.from_vllm_config(self.vllm_config).mode,
             "p_lane": lane.stats.as_dict() if lane is not None else None,
