@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ainfer_pd_testing.model_runner_v2 import v2_env  # noqa: E402
+
 PROMPTS = [[5, 17, 99, 250, 31, 8], [400, 12, 77], [3, 3, 3, 3, 90, 120, 61, 7, 7], [250] * 12]
 MAX_TOKENS = 16
 

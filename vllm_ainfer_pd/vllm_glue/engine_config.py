@@ -14,9 +14,9 @@ from vllm_ainfer_pd.vllm_glue.shapes import Patch, vllm_at_least
 
 PATCHES = [
     Patch("vllm.config:VllmConfig", "the lane takes vLLM's KV-connector slot; Model Runner V2 "
-          "before 0.32 and LoRA are refused", uses=("kv_transfer_config", "use_v2_model_runner", "lora_config",
-                                    "additional_config", "attention_config",
-                                    "speculative_config", "device_config", "cache_config"),
+          "before 0.32 and LoRA are refused",
+          uses=("kv_transfer_config", "use_v2_model_runner", "lora_config", "additional_config",
+                "attention_config", "speculative_config", "device_config", "cache_config"),
           does="sets"),
     Patch("vllm.config:SchedulerConfig", "the planner's scheduler class; a connector without "
           "hybrid-KV support needs the hybrid KV cache manager off",
