@@ -118,7 +118,8 @@ set -u
 # vLLM 0.26.0's pack on the image's torch 2.11.
 if [[ -f .gpu32/env/install.sh ]]; then source .gpu32/env/install.sh || exit
 elif [[ -f .gpu/env/install.sh ]]; then source .gpu/env/install.sh || exit; fi
-export VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
+# The V1 runner unless the caller picks Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.32 on).
+export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0} PYTHONUNBUFFERED=1
 # The plugin's entry point for a checkout on PYTHONPATH with no install (beside an install, Python
 # reads one distribution per name).
 d=/tmp/ainfer-ep/vllm_ainfer_pd-0.1.0.dist-info
