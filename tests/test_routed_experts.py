@@ -1,15 +1,18 @@
 """Routing replay (vLLM's `enable_return_routed_experts`, what verl's R3 reads).
 
-vLLM 0.26 refuses routed-expert capture beside any KV connector (VllmConfig checks it again in
-EngineCore, after the model has loaded), and the P lane runs in vLLM's KV-connector slot. So with
-the lane (`mode="pd"`) the backend refuses the flag at once, with one line saying what to use;
-with `mode="normal"` (no connector) every request returns exactly the experts stock vLLM returns
-for it, prompt and output positions alike.
+vLLM records each token's experts inside the model runner's step, which the P lane's prefills run
+beside (and vLLM 0.26 refuses the flag beside any KV connector, the slot the lane runs in). So
+with the lane (`mode="pd"`) the backend refuses the flag at once, with one line saying what to
+use; with `mode="normal"` every request returns exactly the experts stock vLLM returns for it,
+prompt and output positions alike. vLLM 0.32 returns routed experts from Model Runner V2 only
+(with the V1 runner it refuses the flag itself, stock included): there these tests run under
+AINFER_PD_TEST_RUNNER=v2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -23,17 +26,17 @@ from vllm_ainfer_pd.vllm_glue import vllm_at_least
 
 pytestmark = [
     pytest.mark.timeout(900),
-    # 0.32 returns routed experts only from Model Runner V2 (its aux-output connector; with the V1
-    # runner vLLM refuses the flag itself, stock included), and the lane runs on the V1 runner.
-    pytest.mark.skipif(vllm_at_least("0.32.0"), reason="vLLM 0.32 returns routed experts only "
-                       "with Model Runner V2, which the backend does not run on"),
+    pytest.mark.skipif(vllm_at_least("0.32.0")
+                       and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "1",
+                       reason="vLLM 0.32 returns routed experts only from Model Runner V2 "
+                       "(AINFER_PD_TEST_RUNNER=v2 runs these tests there)"),
 ]
 
 MAX_TOKENS = 8
 PROMPTS = [p for wave in parity_waves(vocab_size=512) for p in wave]
 REFUSAL = ("ainfer_pd mode='pd' cannot return routed experts (--enable-return-routed-experts): "
-           "vLLM refuses them beside a KV connector, and the P lane runs in vLLM's "
-           "KV-connector slot; use mode='normal'")
+           "the P lane prefills prompts outside the model runner's steps, where vLLM records "
+           "them; use mode='normal'")
 
 
 def test_routed_experts_with_the_lane_are_refused_at_validation(tiny_model):
@@ -41,9 +44,14 @@ def test_routed_experts_with_the_lane_are_refused_at_validation(tiny_model):
 
     from vllm_ainfer_pd.executor import AInferPDExecutor
 
-    config = VllmConfig(model_config=ModelConfig(model=tiny_model, skip_tokenizer_init=True,
-                                                 dtype="float32", seed=0,
-                                                 enable_return_routed_experts=True))
+    model = {"model": tiny_model, "skip_tokenizer_init": True, "dtype": "float32", "seed": 0}
+    if vllm_at_least("0.32.0"):
+        from vllm.config.aux_output import AuxOutputConfig
+
+        config = VllmConfig(model_config=ModelConfig(**model),
+                            aux_output_config=AuxOutputConfig(enable_return_routed_experts=True))
+    else:
+        config = VllmConfig(model_config=ModelConfig(**model, enable_return_routed_experts=True))
     with pytest.raises(ConfigError) as refused:
         AInferPDExecutor.validate(config)
     assert str(refused.value) == REFUSAL

@@ -168,6 +168,11 @@ def test_serve_tp1_completions_and_chat_match_stock(stock, server, tiny_model):
     # vLLM's own count of those prompt tokens: they came through the KV connector (the rollout
     # report shows this per source, beside the prefix cache's `local_cache_hit`).
     assert scrape(srv.url)[EXTERNAL] - external_before == 3 * 59 + 299 + 2 * 43
+    assert _lane_total(srv.url, tiny_model) >= jobs_before + 2 * 3
+    if os.environ.get("AINFER_PD_MRV2_CPU") == "1":
+        # Model Runner V2's grammar-bitmask kernel does not run in Triton's interpreter, stock's
+        # engine included ("mask has unsupported dtype"): no constrained output on the CPU there.
+        return
     constrained = _fresh_prompts(3, (70, 110))
     ours_constrained = [_constrained(ours, p) for p in constrained]
     assert ours_constrained == [_constrained(stock_runner, p) for p in constrained]

@@ -59,14 +59,14 @@ class AInferPDExecutor(MultiprocExecutor):
             raise ConfigError("ainfer_pd mode='pd' does not run LoRA adapters (--enable-lora): "
                               "the P lane's forward has no adapter mapping; use mode='normal'")
         if config.p_lane_enabled and engine_config.returns_routed_experts(vllm_config):
-            # vLLM 0.26 refuses routed-expert capture beside any KV connector (VllmConfig checks
-            # it again in EngineCore, after the model is loaded); the lane runs in that slot.
-            # vLLM 0.32 captures them in Model Runner V2's forward hooks, which would record P's
-            # MoE routing, on P's thread, into D's step.
+            # vLLM records each token's experts inside the model runner's step (0.32: Model
+            # Runner V2's capture hooks; 0.26 also refuses the flag beside any KV connector, the
+            # slot the lane runs in): a prompt the lane prefills on its own thread has no record,
+            # or writes into D's.
             raise ConfigError("ainfer_pd mode='pd' cannot return routed experts "
-                              "(--enable-return-routed-experts): vLLM refuses them beside a "
-                              "KV connector, and the P lane runs in vLLM's KV-connector slot; "
-                              "use mode='normal'")
+                              "(--enable-return-routed-experts): the P lane prefills prompts "
+                              "outside the model runner's steps, where vLLM records them; use "
+                              "mode='normal'")
         if config.p_lane_enabled:
             check_lane_parallelism(parallel, config)
             if config.ordering == "free" and vllm_config.device_config.device_type == "cpu":

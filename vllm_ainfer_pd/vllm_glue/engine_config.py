@@ -57,8 +57,8 @@ PATCHES = [
 
 def raise_worker_start_errors(vllm_config) -> None:
     """Raise, in the engine's own process, the errors vLLM's model runner raises while a worker
-    starts (`build_logitsprocs`: custom logits processors with speculative decoding or a pooling
-    model), with vLLM's exception type and message. This backend's workers are always processes
+    starts (custom logits processors with a pooling model, and with speculative decoding on the
+    V1 runner: its `build_logitsprocs`; Model Runner V2's `build_custom_logits_processors`), with vLLM's exception type and message. This backend's workers are always processes
     of their own, where vLLM reports any start failure as its generic 'WorkerProc initialization
     failed'; raised here, the caller sees vLLM's ValueError, as with vLLM's in-process executor."""
     from vllm.v1.sample import logits_processor
@@ -68,7 +68,8 @@ def raise_worker_start_errors(vllm_config) -> None:
         return
     if model.runner_type == "pooling":
         raise ValueError(logits_processor.STR_POOLING_REJECTS_LOGITSPROCS)
-    if vllm_config.speculative_config is not None:
+    # Model Runner V2 runs custom logits processors beside speculative decoding.
+    if vllm_config.speculative_config is not None and not vllm_config.use_v2_model_runner:
         raise ValueError(logits_processor.STR_SPEC_DEC_REJECTS_LOGITSPROCS)
 
 
