@@ -58,9 +58,10 @@ PATCHES = [
 def raise_worker_start_errors(vllm_config) -> None:
     """Raise, in the engine's own process, the errors vLLM's model runner raises while a worker
     starts (custom logits processors with a pooling model, and with speculative decoding on the
-    V1 runner: its `build_logitsprocs`; Model Runner V2's `build_custom_logits_processors`), with vLLM's exception type and message. This backend's workers are always processes
-    of their own, where vLLM reports any start failure as its generic 'WorkerProc initialization
-    failed'; raised here, the caller sees vLLM's ValueError, as with vLLM's in-process executor."""
+    V1 runner: its `build_logitsprocs`; Model Runner V2's `build_custom_logits_processors`),
+    with vLLM's exception type and message. This backend's workers are always processes of their
+    own, where vLLM reports any start failure as its generic 'WorkerProc initialization failed';
+    raised here, the caller sees vLLM's ValueError, as with vLLM's in-process executor."""
     from vllm.v1.sample import logits_processor
 
     model = vllm_config.model_config
