@@ -3,7 +3,7 @@
 # prints the path of its python as its last line.
 SHELL := /bin/bash
 
-.PHONY: env test test-fast test-vllm026 rollout model vllm-tests vllm-tests-032
+.PHONY: env test test-fast test-vllm026 test-mrv2 rollout model vllm-tests vllm-tests-032
 
 # What `make test-vllm026` runs on vLLM 0.26.0 beside the whole suite on 0.32.0: the start-up
 # check of 0.26's symbols, the tests 0.32 skips (routed experts; the DP=2 + EP pause test, whose
@@ -14,6 +14,17 @@ SLICE_026 = tests/test_vllm_glue.py tests/test_config_and_plugin.py tests/test_r
   tests/test_parity_offline.py::test_offline_tp1_matches_stock \
   tests/test_parity_offline.py::test_offline_tp2_drafting_stays_inside_the_round \
   tests/test_asymmetric_failures.py
+
+# What `make test-mrv2` runs on vLLM 0.32.0's Model Runner V2 (on the CPU its Triton kernels run in
+# Triton's interpreter: ainfer_pd_testing/model_runner_v2.py): the start-up check's acceptance and
+# refusals, greedy parity at TP=1 and at TP=2 with drafting, served DP=2 + EP with one rank idle
+# (the lane's rows beside V2's DP sync), and routed experts, which 0.32 returns from V2 only
+# (about 6 minutes). `AINFER_PD_TEST_RUNNER=v2 make test` runs the whole suite on V2.
+SLICE_MRV2 = tests/test_config_and_plugin.py::test_model_runner_v2_runs_the_lane_from_vllm_032_and_is_refused_before \
+  tests/test_parity_offline.py::test_offline_tp1_matches_stock \
+  tests/test_parity_offline.py::test_offline_tp2_drafting_stays_inside_the_round \
+  tests/test_serve.py::test_serve_dp2_expert_parallel_matches_stock_tp1_with_one_rank_idle \
+  tests/test_routed_experts.py
 
 env:
 	@bash scripts/setup_env.sh
@@ -40,6 +51,10 @@ test-fast:
 test-vllm026:
 	@py=$$(VLLM_VERSION=0.26.0 bash scripts/setup_env.sh | tail -n 1) && \
 	  $$py -m pytest $(SLICE_026) -ra --durations=10 $(PYTEST_ARGS)
+
+test-mrv2:
+	@py=$$(bash scripts/setup_env.sh | tail -n 1) && \
+	  AINFER_PD_TEST_RUNNER=v2 $$py -m pytest $(SLICE_MRV2) -ra --durations=10 $(PYTEST_ARGS)
 
 # stock vLLM vs ainfer_pd (default options: prompts of >= 512 uncached tokens take the P lane) vs
 # ainfer_pd with the lane taking every prompt of >= 64 uncached tokens.
