@@ -97,9 +97,11 @@ def check_model_state(runner: Any) -> None:
     """Model Runner V2 keeps a model's own inputs (Mamba state, encoder outputs, M-RoPE positions,
     multimodal embeddings, prompt embeddings) in a model state beside its batch; P's batch carries
     only token ids and positions, which is what the default model state gives the model."""
+    if not runs_model_runner_v2(runner):
+        return
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    if runs_model_runner_v2(runner) and type(runner.model_state) is not DefaultModelState:
+    if type(runner.model_state) is not DefaultModelState:
         raise ValueError(f"ainfer_pd mode='pd' on Model Runner V2 runs models of vLLM's default "
                          f"model state; this model's is {type(runner.model_state).__name__}: use "
                          f"mode='normal'")
