@@ -6,6 +6,10 @@
     # another release (its environment's python): the core modules, beside 0.26's rate on them
     python benchmarks/vllm_tests.py --core --out benchmarks/results/vllm_tests/vllm-0.32.0 \
         --beside benchmarks/results/vllm_tests/results.json
+    # the same on Model Runner V2, beside 0.32's V1-runner rate
+    python benchmarks/vllm_tests.py --core --model-runner-v2 \
+        --out benchmarks/results/vllm_tests/vllm-0.32.0-mrv2 \
+        --beside benchmarks/results/vllm_tests/vllm-0.32.0/results.json
 
 Fetches vLLM's source distribution through pip (cached, `ainfer_pd_testing/vllm_suite/run.py`),
 takes the installed vLLM release's `tests/` (nothing of it is copied into this repository) and
@@ -34,6 +38,7 @@ from pathlib import Path
 # checkout, with or without the package installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ainfer_pd_testing.model_runner_v2 import v2_env  # noqa: E402
 from ainfer_pd_testing.vllm_suite import hooks  # noqa: E402
 from ainfer_pd_testing.vllm_suite.run import (  # noqa: E402
     VLLM_VERSION,
@@ -366,6 +371,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modules", nargs="*", default=None, help="test paths (default MODULES)")
     parser.add_argument("--core", action="store_true", help="the CORE modules (a short run)")
+    parser.add_argument("--model-runner-v2", action="store_true",
+                        help="both runs' engines on vLLM's Model Runner V2 (vLLM 0.32 on; on the "
+                        "CPU through Triton's interpreter, ainfer_pd_testing/model_runner_v2.py)")
     parser.add_argument("--beside", type=Path, default=None,
                         help="another release's results.json: its rate on the same modules "
                         "goes into the report")
@@ -386,6 +394,8 @@ def main() -> None:
     if args.core and args.modules:
         parser.error("--core or --modules, not both")
     tests = CORE if args.core else args.modules or MODULES
+    if args.model_runner_v2:
+        os.environ.update(v2_env())  # inherited by every pytest process of both runs
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     logs = args.logs
