@@ -239,23 +239,34 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1_with_one_rank_idle(stock, s
     _stop_with_p_in_flight(srv, tiny_model)
 
 
-def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 60.0) -> None:
+def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 120.0) -> None:
+    """Keep the lane busy (8 senders, each sending fresh 1,500-token prompts one after another
+    until the server goes away), wait until /metrics shows a P job in flight, then SIGTERM.
+    One burst of prompts is not enough: on a loaded machine its P can finish between two scrapes
+    and the gauge never reads above 0."""
     client = ServerRunner(srv.url, model).client()
+    stopping = threading.Event()
 
-    def send(prompt: list[int]) -> None:
-        try:
-            client.completions.create(model=model, prompt=prompt, max_tokens=32)
-        except Exception:  # the server going away mid-request is the point
-            pass
+    def keep_sending(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stopping.is_set():
+            prompt = [rng.randrange(3, 500) for _ in range(1500)]
+            try:
+                client.completions.create(model=model, prompt=prompt, max_tokens=32)
+            except Exception:  # the server going away mid-request is the point
+                return
 
-    for prompt in _fresh_prompts(4, (1500,) * 8):
-        threading.Thread(target=send, args=(prompt,), daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while lane_metrics(srv.url).get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0:
-        assert time.monotonic() < deadline, "no P job in flight"
-        time.sleep(0.5)
-    group = srv.proc.pid  # the server leads its own process group (setsid)
-    os.kill(srv.proc.pid, signal.SIGTERM)
+    for seed in range(8):
+        threading.Thread(target=keep_sending, args=(1000 + seed,), daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while lane_metrics(srv.url).get("vllm_ainfer_pd_p_jobs_inflight", 0) == 0:
+            assert time.monotonic() < deadline, "no P job in flight"
+            time.sleep(0.5)
+        group = srv.proc.pid  # the server leads its own process group (setsid)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+    finally:
+        stopping.set()
     deadline = time.monotonic() + timeout_s
     assert srv.proc.wait(timeout_s) == 0, srv.log_tail(40)
     while True:  # its engine cores and workers
