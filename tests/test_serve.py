@@ -279,6 +279,46 @@ def _stop_with_p_in_flight(srv: VllmServer, model: str, timeout_s: float = 120.0
         time.sleep(0.5)
 
 
+def test_serve_dp2_epoch_gate_decides_every_round_alike_on_every_rank(stock, server, tiny_model,
+                                                                     tmp_path):
+    """DP=2 + EP with the epoch gate on and vLLM spreading the requests over both ranks: each
+    rank records every gate decision it makes (the DP all-reduce rows it read, the rounds the
+    oldest queued work waited, whether the round met to open an epoch). The two ranks' records
+    are the same lines, so no rank decided a round alone; the gate held some rounds and opened
+    others; greedy outputs equal stock's under the tie rule."""
+    from ainfer_pd_testing.dev_server import SERVER_ENV, collective_rpc
+    from ainfer_pd_testing.gate_log import read_gate_logs
+
+    stock_runner, stock_out, _ = stock
+    gate = {"p_lane_min_tokens": 32, "epoch_gate_fill": 1.0, "epoch_gate_rounds": 8}
+    srv = server(tiny_model, ["--distributed-executor-backend", "ainfer_pd",
+                              "--additional-config", json.dumps({"ainfer_pd": gate}),
+                              "--data-parallel-size", "2", "--enable-expert-parallel",
+                              "--max-num-batched-tokens", "128",
+                              "--worker-extension-cls", "ainfer_pd_testing.gate_log.GateLog"],
+                 2, "ours-dp2-ep-gate", SERVER_ENV)
+    prefix = str(tmp_path / "gate")
+    collective_rpc(srv.url, "start_gate_log", prefix=prefix)  # idle: both start at one round
+
+    ours_out = run_waves(ServerRunner(srv.url, tiny_model), WAVES, MAX_TOKENS)
+    report = compare(PROMPTS, stock_out, ours_out, stock_runner.teacher_force)
+    print(report)
+    assert report.fail == 0, report
+    ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
+    jobs = [r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks]
+    assert len(ranks) == 2 and all(j > 0 for j in jobs), ranks  # both ranks prefilled in P
+    logs = read_gate_logs(prefix, 2)
+    print(f"gate decisions per rank: {[len(log) for log in logs]}; rank 0's first:", logs[0][:5])
+    assert logs[0] == logs[1], next((i, a, b) for i, (a, b) in
+                                    enumerate(zip(logs[0] + [""], logs[1] + [""])) if a != b)
+    decisions = [line.rsplit("opens=", 1)[1] for line in logs[0]]
+    assert "True" in decisions and "False" in decisions, logs[0]
+    waits = [r.get("vllm_ainfer_pd_gate_waits_total", 0) for r in ranks]
+    epochs = [r.get("vllm_ainfer_pd_epochs_total", 0) for r in ranks]
+    assert waits[0] == waits[1] == decisions.count("False"), (waits, decisions.count("False"))
+    assert epochs[0] == epochs[1] > 0, ranks
+
+
 def test_serve_dp2_over_two_hosts_takes_the_cross_host_rendezvous(stock, server, tiny_model,
                                                                   tmp_path):
     """vLLM's multi-node DP launch on this machine, as two "hosts": `vllm serve` with DP rank 0 on
