@@ -1,17 +1,21 @@
 """Decode-only overhead of the P lane: the backend with the lane on (`mode=pd`) vs the same backend
 with it off (`mode=normal`), and stock vLLM for context, on a workload with no prefill worth a lane
-(8-token prompts, long greedy decodes). All engines stay up; repetitions alternate between them.
+(8-token prompts, long greedy decodes). All engines stay up and repetitions alternate between
+them, or (`--sequential`) one engine is up at a time, in two passes of opposite order.
 
     python benchmarks/decode_overhead.py --reps 5 --out benchmarks/results/cpu/decode_overhead.json
     python benchmarks/decode_overhead.py --gpu --model .gpu/tiny --requests 64 --max-tokens 256 ...
     python benchmarks/decode_overhead.py --dp 2 --reps 3 \
         --out benchmarks/results/cpu/decode_overhead_dp2_ep.json
+    python benchmarks/decode_overhead.py --dp 2 --sequential --reps 4 --max-tokens 256 \
+        --out benchmarks/results/cpu/decode_overhead_dp2_ep_gate.json
 
 `--gpu`: bf16 with vLLM's defaults (torch.compile, CUDA graphs), the three engines side by side on
 one GPU (a quarter of its memory each), async scheduling where vLLM turns it on.
 
 `--dp 2`: DP=2 with expert parallelism through `vllm serve` (stock vLLM 0.26 cannot serve DP+EP
-on the CPU, so `pd` is compared with `normal` alone); vLLM spreads the requests over both ranks.
+on the CPU, so `pd` is compared with `normal` alone), and `pd_gate`: `pd` with the epoch gate on
+(`epoch_gate_fill=0.8`, `epoch_gate_rounds=96`); vLLM spreads the requests over both ranks.
 
 Reports each engine's median wall time per repetition with [min, max] and the ratio to `normal`.
 """
@@ -40,6 +44,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--gpu", action="store_true", help="GPU engine settings (see above)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks with EP (CPU)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one engine up at a time, two passes of opposite order, --reps "
+                        "repetitions per engine and pass")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -55,38 +62,64 @@ def main() -> None:
     }
     if args.dp > 1:
         del engines["stock"]
+        engines["pd_gate"] = dict(backend="ainfer_pd", additional_config={"ainfer_pd": {
+            "mode": "pd", "epoch_gate_fill": 0.8, "epoch_gate_rounds": 96}})
     times: dict[str, list[float]] = {name: [] for name in engines}
-    outputs = {}
-    with ExitStack() as stack:
-        runners = {}
-        for name, kw in engines.items():
-            print(f"[decode-overhead] starting {name}", file=sys.stderr, flush=True)
-            runners[name] = stack.enter_context(
-                gpu_llm(model, **kw) if args.gpu else dp_server(model, args.dp, **kw)
-                if args.dp > 1 else offline_llm(model, 1, **kw))
-            runners[name].generate(prompts, 8)  # warm-up with the full batch
-        for rep in range(args.reps):
-            order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+    outputs: dict[str, list] = {}
+    lanes: dict[str, dict] = {}
+
+    def start(stack: ExitStack, name: str):
+        print(f"[decode-overhead] starting {name}", file=sys.stderr, flush=True)
+        kw = engines[name]
+        runner = stack.enter_context(
+            gpu_llm(model, **kw) if args.gpu else dp_server(model, args.dp, **kw)
+            if args.dp > 1 else offline_llm(model, 1, **kw))
+        runner.generate(prompts, 8)  # warm-up with the full batch
+        return runner
+
+    def timed(name: str, runner) -> None:
+        begin = time.perf_counter()
+        outputs[name] = runner.generate(prompts, args.max_tokens)
+        times[name].append(time.perf_counter() - begin)
+        print(f"[decode-overhead] {name} rep {len(times[name])}: {times[name][-1]:.3f} s",
+              file=sys.stderr, flush=True)
+
+    if args.sequential:
+        # One engine up at a time (an idle DP server's processes still take CPU time from the
+        # measured one on a small machine), in two passes of opposite order.
+        for order in (list(engines), list(reversed(engines))):
             for name in order:
-                start = time.perf_counter()
-                outputs[name] = runners[name].generate(prompts, args.max_tokens)
-                times[name].append(time.perf_counter() - start)
-            print(f"[decode-overhead] rep {rep + 1}/{args.reps}: "
-                  + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in engines),
-                  file=sys.stderr, flush=True)
-        lane = lane_counters(runners["pd"])
+                with ExitStack() as stack:
+                    runner = start(stack, name)
+                    for _ in range(args.reps):
+                        timed(name, runner)
+                    if name.startswith("pd"):  # summed over the engine's two servers
+                        counts = lane_counters(runner)
+                        lanes[name] = {k: lanes.get(name, {}).get(k, 0) + v
+                                       for k, v in counts.items()}
+    else:
+        with ExitStack() as stack:
+            runners = {name: start(stack, name) for name in engines}
+            for rep in range(args.reps):
+                for name in list(engines) if rep % 2 == 0 else list(reversed(engines)):
+                    timed(name, runners[name])
+            lanes = {name: lane_counters(runners[name]) for name in engines
+                     if name.startswith("pd")}
     base = statistics.median(times["normal"])
     result = {
         "platform": "gpu" if args.gpu else "cpu",
         "layout": f"DP={args.dp} + EP" if args.dp > 1 else "TP=1",
         "workload": {"requests": args.requests, "prompt_tokens": 8,
                      "max_tokens": args.max_tokens, "reps": args.reps},
+        "schedule": "sequential, two passes" if args.sequential else "all engines up at once",
         "seconds": {n: {"median": statistics.median(t), "min": min(t), "max": max(t), "all": t}
                     for n, t in times.items()},
         "ratio_to_normal": {n: statistics.median(t) / base for n, t in times.items()},
         "same_tokens_pd_vs_normal": outputs["pd"] == outputs["normal"],
-        "pd_lane_epochs": lane["epochs"],
-        "pd_rendezvous_phases": lane["rendezvous_phases"],
+        "same_tokens_pd_gate_vs_normal": outputs.get("pd_gate", outputs["pd"]) == outputs["normal"],
+        "pd_lane_epochs": lanes["pd"]["epochs"],
+        "pd_rendezvous_phases": lanes["pd"]["rendezvous_phases"],
+        "lane_counters": lanes,
     }
     print(json.dumps(result, indent=2))
     if args.out:
@@ -103,7 +136,7 @@ def lane_counters(runner) -> dict[str, float]:
 
     ranks = by_rank(read_metrics_text(runner.url)).values()
     return {name: sum(r.get(f"vllm_ainfer_pd_{name}_total", 0) for r in ranks)
-            for name in ("epochs", "rendezvous_phases")}
+            for name in ("epochs", "rendezvous_phases", "gate_waits")}
 
 
 @contextlib.contextmanager
@@ -117,8 +150,9 @@ def dp_server(model: str, dp: int, backend: str, additional_config: dict):
         "--distributed-executor-backend", backend, "--additional-config",
         json.dumps(additional_config), "--data-parallel-size", str(dp),
         "--enable-expert-parallel"]
-    mode = additional_config["ainfer_pd"]["mode"]
-    with VllmServer(model, flags, cpu_env(dp), name=f"decode-overhead-dp{dp}-{mode}") as srv:
+    lane = additional_config["ainfer_pd"]
+    name = lane["mode"] + ("-gate" if lane.get("epoch_gate_fill") else "")
+    with VllmServer(model, flags, cpu_env(dp), name=f"decode-overhead-dp{dp}-{name}") as srv:
         yield ServerRunner(srv.url, model)
 
 
