@@ -6,14 +6,12 @@ rounds the oldest queued work has waited, and whether the round met to open an e
 `dev_server.SERVER_ENV`, then, while the server is idle (no rank has stepped since the last
 request, so every rank's log starts at the same round): `POST /collective_rpc` with
 `{"method": "start_gate_log", "kwargs": {"prefix": ...}}`. Each rank appends one line per
-decision with lane work queued on some rank to `<prefix>.<world rank>`; `read_gate_logs` reads
-them back. Every rank must write the same lines: a rank that decided alone would meet a
-rendezvous its peers skip (or skip one they meet).
+decision with lane work queued on some rank to `<prefix>.<world rank>`; the collective log's
+`read_logs` and `first_divergence` read and compare them. Every rank must write the same lines:
+a rank that decided alone would meet a rendezvous its peers skip (or skip one they meet).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 
 class GateLog:
@@ -40,11 +38,3 @@ class GateLog:
         lane._gate_opens = recorded
         return {"rank": lane.rank}
 
-
-def read_gate_logs(prefix: str, ranks: int) -> list[list[str]]:
-    """Each rank's decisions, in rank order (a rank that wrote none gives [])."""
-    logs = []
-    for rank in range(ranks):
-        path = Path(f"{prefix}.{rank}")
-        logs.append(path.read_text().splitlines() if path.exists() else [])
-    return logs

@@ -116,11 +116,12 @@ def main() -> None:
                     for n, t in times.items()},
         "ratio_to_normal": {n: statistics.median(t) / base for n, t in times.items()},
         "same_tokens_pd_vs_normal": outputs["pd"] == outputs["normal"],
-        "same_tokens_pd_gate_vs_normal": outputs.get("pd_gate", outputs["pd"]) == outputs["normal"],
         "pd_lane_epochs": lanes["pd"]["epochs"],
         "pd_rendezvous_phases": lanes["pd"]["rendezvous_phases"],
         "lane_counters": lanes,
     }
+    if "pd_gate" in outputs:
+        result["same_tokens_pd_gate_vs_normal"] = outputs["pd_gate"] == outputs["normal"]
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -286,8 +286,8 @@ def test_serve_dp2_epoch_gate_decides_every_round_alike_on_every_rank(stock, ser
     oldest queued work waited, whether the round met to open an epoch). The two ranks' records
     are the same lines, so no rank decided a round alone; the gate held some rounds and opened
     others; greedy outputs equal stock's under the tie rule."""
+    from ainfer_pd_testing.collective_log import first_divergence, read_logs
     from ainfer_pd_testing.dev_server import SERVER_ENV, collective_rpc
-    from ainfer_pd_testing.gate_log import read_gate_logs
 
     stock_runner, stock_out, _ = stock
     gate = {"p_lane_min_tokens": 32, "epoch_gate_fill": 1.0, "epoch_gate_rounds": 8}
@@ -307,10 +307,9 @@ def test_serve_dp2_epoch_gate_decides_every_round_alike_on_every_rank(stock, ser
     ranks = list(settled_rank_metrics(srv.url, tiny_model, 2).values())
     jobs = [r.get("vllm_ainfer_pd_p_jobs_done_total", 0) for r in ranks]
     assert len(ranks) == 2 and all(j > 0 for j in jobs), ranks  # both ranks prefilled in P
-    logs = read_gate_logs(prefix, 2)
+    logs = read_logs(prefix, 2)
     print(f"gate decisions per rank: {[len(log) for log in logs]}; rank 0's first:", logs[0][:5])
-    assert logs[0] == logs[1], next((i, a, b) for i, (a, b) in
-                                    enumerate(zip(logs[0] + [""], logs[1] + [""])) if a != b)
+    assert logs[0] == logs[1], first_divergence(logs) or [len(log) for log in logs]
     decisions = [line.rsplit("opens=", 1)[1] for line in logs[0]]
     assert "True" in decisions and "False" in decisions, logs[0]
     waits = [r.get("vllm_ainfer_pd_gate_waits_total", 0) for r in ranks]
