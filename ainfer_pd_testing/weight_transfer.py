@@ -19,6 +19,7 @@ imports it through `worker_extension_cls=EXTENSION`:
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -124,10 +125,15 @@ class Trainer:
     (several engines may join it at different `rank_offset`s)."""
 
     def __init__(self, num_workers: int, timeout_s: int = 120):
-        from vllm_ainfer_pd.rollout.server import free_port
-
         self.world_size = num_workers + 1
-        self.port = free_port()
+        # The store's port is bound here and held until `connect`: a port only looked up now
+        # and bound later can be taken meanwhile by an engine starting (a DP server binds many
+        # ephemeral ports), and the workers would then wait on the wrong listener.
+        self.listen_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listen_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listen_socket.bind(("127.0.0.1", 0))
+        self.listen_socket.listen()
+        self.port = self.listen_socket.getsockname()[1]
         self.timeout_s = timeout_s
         self.group = None
 
@@ -144,7 +150,7 @@ class Trainer:
 
         self.group = StatelessProcessGroup.create(
             host="127.0.0.1", port=self.port, rank=0, world_size=self.world_size,
-            store_timeout=self.timeout_s)
+            store_timeout=self.timeout_s, listen_socket=self.listen_socket)
 
     @staticmethod
     def update_info(weights: Weights) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from vllm_ainfer_pd.models.generate import ensure_model
@@ -12,10 +14,16 @@ from vllm_ainfer_pd.rollout.server import VllmServer
 @pytest.fixture(scope="module")
 def tiny_server():
     """A stock server of the tiny model (max_model_len 2048), shared by the module's tests; its
-    log tail is printed when a test of the module failed."""
+    log tail is printed when a test of the module failed. It starts while another socket holds
+    the port it picked first, as when another process takes that port before the server binds
+    it: `taken_port` is that port, and the server runs on another."""
     srv = VllmServer(ensure_model("tiny"), serve_args(CPU_ENGINE_ARGS), cpu_env(1),
                      name="rollout-test")
-    srv.start()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", srv.port))
+        holder.listen()
+        srv.taken_port = srv.port
+        srv.start()
     try:
         yield srv
     finally:

@@ -29,6 +29,16 @@ SMALL = Trace((
 ))
 
 
+def test_a_server_whose_port_was_taken_before_it_bound_starts_on_another(tiny_server):
+    """`VllmServer` picks a free port that the server binds only once its process runs; the
+    fixture held that port meanwhile, so the first start exited with EADDRINUSE and the server
+    answers on a new port."""
+    assert tiny_server.port != tiny_server.taken_port
+    assert f"--port {tiny_server.port}" in " ".join(tiny_server.command)
+    assert "Address already in use" not in tiny_server.log_text()
+    assert backend_metrics.scrape(tiny_server.url)
+
+
 def test_replay_keeps_dependencies_sizes_and_model_outputs(tiny_server):
     before = backend_metrics.scrape(tiny_server.url)
     result = replay(SMALL, ReplayConfig(tiny_server.url, wait_scale=WAIT_SCALE, keep_ids=True,

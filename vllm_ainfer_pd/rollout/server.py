@@ -41,18 +41,22 @@ class VllmServer:
 
     def __init__(self, model: str | Path, args: list[str], env: dict[str, str] | None = None,
                  startup_timeout_s: float = 600.0, name: str = "vllm"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
+        self.args = list(args)
         self.startup_timeout_s = startup_timeout_s
         fd, log = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log)
-        self.command = vllm_command() + [
-            "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *args,
-        ]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self.pick_port()
+
+    def pick_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = vllm_command() + [
+            "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -61,7 +65,19 @@ class VllmServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def start(self, attempts: int = 3) -> None:
+        """Start the server and wait for `/health`. The port was free when picked but is bound
+        only once the server process runs; another process that took it meanwhile makes the
+        server exit with EADDRINUSE, and then a new port is picked (up to `attempts` starts)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.start_once()
+            except ServerError as err:
+                if attempt == attempts or "Address already in use" not in str(err):
+                    raise
+                self.pick_port()
+
+    def start_once(self) -> None:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, start_new_session=True)
