@@ -88,7 +88,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
                        id_seed=args.id_seed, progress=not args.no_progress)
     before = backend_metrics.scrape(args.url)
     result = replay(trace, cfg)
-    counters = backend_metrics.delta(before, backend_metrics.scrape(args.url))
+    counters = backend_metrics.delta(before, backend_metrics.after_run(args.url, args.dp))
     summary = summarize(result.records)
     ours = backend_metrics.backend_only(counters)
     out = {"summary": summary, "counters": counters, "model": result.model, **result.config}
@@ -244,6 +244,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     r.add_argument("--model", default=None, help="model name (default: the server's first)")
     r.add_argument("--id-seed", type=int, default=0, help="seed of the increments' token ids")
+    r.add_argument("--dp", type=int, default=1,
+                   help="the server's --data-parallel-size: after the replay one short request "
+                        "per DP rank brings in each rank's last lane counters")
     r.add_argument("--json-out", type=Path, default=None, help="also write summary + records")
     _trace_args(r)
     _replay_args(r)

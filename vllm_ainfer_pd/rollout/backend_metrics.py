@@ -14,6 +14,8 @@ metric the server does not export is absent from the result.
 
 from __future__ import annotations
 
+import json
+import time
 import urllib.request
 
 PREFIX = "vllm_ainfer_pd_"
@@ -71,6 +73,48 @@ def by_rank(text: str) -> dict[str, dict[str, float]]:
         out.setdefault(rank, {})
         out[rank][name] = out[rank].get(name, 0.0) + float(value)
     return out
+
+
+def settle(url: str, dp_size: int, model: str | None = None, timeout_s: float = 30.0) -> str:
+    """/metrics' text once every DP rank has reported all its lane counters.
+
+    A rank's lane counters reach `/metrics` with its next real forward (vllm_ainfer_pd.metrics),
+    so what a rank counted in dummy steps or after its last forward (an epoch its last post-D
+    opened) is missing when a run ends. One request of a one-token prompt per DP rank (routed by
+    vLLM's `X-data-parallel-rank` header; it leaves the lane nothing to prefill, whatever
+    `p_lane_min_tokens` is) gives each rank that forward and adds no lane work; then
+    /metrics is read every 2 s until two reads agree on the lane's series (or `timeout_s`).
+    `model`: the served model's id (default: the first `GET /v1/models` lists)."""
+    if model is None:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+    for dp_rank in range(dp_size):
+        request = urllib.request.Request(
+            url.rstrip("/") + "/v1/completions", method="POST",
+            data=json.dumps({"model": model, "prompt": [1], "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json", "X-data-parallel-rank": str(dp_rank)})
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            r.read()
+    deadline = time.monotonic() + timeout_s
+    previous = None
+    while True:
+        text = read_metrics_text(url)
+        lane = by_rank(text)
+        if lane == previous or time.monotonic() > deadline:
+            return text
+        previous = lane
+        time.sleep(2.0)
+
+
+def after_run(url: str, dp_size: int) -> dict[str, float] | None:
+    """`parse` of /metrics at the end of a run: vLLM's engine counters as the run left them (the
+    settling requests' tokens not counted), the lane's once `settle`d."""
+    engine = scrape(url)
+    if engine is None:
+        return None
+    lane = parse(settle(url, dp_size))
+    return {**{k: v for k, v in engine.items() if not k.startswith(PREFIX)},
+            **{k: v for k, v in lane.items() if k.startswith(PREFIX)}}
 
 
 def read_metrics_text(url: str, timeout_s: float = 10.0) -> str:

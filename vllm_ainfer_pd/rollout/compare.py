@@ -140,7 +140,8 @@ class _Backend:
             self.server.start()
             _log(f"{self.name}: server up at {self.server.url} in {time.monotonic() - t:.0f} s")
             replay(WARMUP, ReplayConfig(self.server.url, id_seed=-1, progress=False))
-        except (ServerError, ReplayError) as e:
+            backend_metrics.settle(self.server.url, self.cfg.dp)
+        except (ServerError, ReplayError, OSError) as e:
             self.result["error"] = str(e).splitlines()[0]
             _log(f"{self.name}: server failed to start: {self.result['error']} "
                  f"(log: {self.server.log_path})")
@@ -156,7 +157,13 @@ class _Backend:
             self.result["error"] = str(e)
             _log(f"{self.name}: {e}")
             return
-        counters = backend_metrics.delta(before, backend_metrics.scrape(self.server.url))
+        try:
+            after = backend_metrics.after_run(self.server.url, self.cfg.dp)
+        except OSError as e:  # a settling request failed: the server went away
+            self.result["error"] = f"reading the counters after repetition {rep}: {e}"
+            _log(f"{self.name}: {self.result['error']}")
+            return
+        counters = backend_metrics.delta(before, after)
         summary = summarize(res.records)
         self.result["runs"].append(_run(self.name, rep, res.records, summary, counters))
         _write_records(cfg.out / "records" / f"{self.name}-{rep}.jsonl", res.records)
