@@ -140,6 +140,11 @@ def test_cli_replay_prints_the_summary(tiny_server, tmp_path):
     assert '"completed": 9' in out.stdout
     assert "vllm_ainfer_pd_* counters: n/a" in out.stdout  # stock exports none
     assert len(json.loads((tmp_path / "r.json").read_text())["records"]) == 9
+    # vLLM's counters are the replay's own: the request that settles the lane's counters
+    # afterwards (a one-token prompt per DP rank) is not in them.
+    printed, _ = json.JSONDecoder().raw_decode(out.stdout)
+    prompts = sum(sum(t.contexts()) for t in SMALL.trajectories)
+    assert printed["counters"]["vllm:prompt_tokens_total"] == prompts, printed["counters"]
 
 
 def test_the_client_drops_idle_connections_before_vllm_serve_closes_them():
