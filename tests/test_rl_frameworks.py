@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import threading
 import time
 
@@ -402,6 +403,18 @@ def paused_over_http(url: str, model: str, ps: list[list[int]], mode: str, clear
 
 
 TRIES = 8  # pauses tried per mode until one meets P work
+
+
+def test_the_trainers_store_port_is_held_from_its_construction():
+    """The trainer's end of `tcp_store` binds its port when it is made, not at `connect`: the
+    engines start in between, and a DP server binds many ephemeral ports; one that took the
+    trainer's port left `init_weight_transfer_engine` waiting on the wrong listener."""
+    trainer = Trainer(num_workers=1)
+    try:
+        with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", trainer.port))
+    finally:
+        trainer.listen_socket.close()
 
 
 # Stock vLLM 0.32 on the CPU, no backend involved: weights sent back through the weight transfer
