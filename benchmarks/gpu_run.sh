@@ -108,8 +108,8 @@
 #              the machine; every draft is rejected, in both): TPOT with drafting inside the round;
 #              output bench1eagle_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
 #   contention1 D's and P's rates beside each other in the lane, relative to each alone, for
-#              p_stream_marks $CONTENTION_PATTERNS (default segment,layer): benchmarks/lane_contention.py
-#              on the gpu preset (64 decoders, 4 clients of 4,096-token prompts), output contention1/
+#              p_stream_marks $CONTENTION_PATTERNS (default segment,layer; sublayer in a second
+#              call: a pattern takes ~4 min): benchmarks/lane_contention.py on the gpu preset (64 decoders, 4 clients of 4,096-token prompts), output contention1/
 #   bench1xmla the same on the gpu-mla preset (MLA, DeepSeek-V3's layout; carry .gpu/gpu-mla),
 #              backends $BENCH1X_ONLY (default stock,pd); output bench1xmla_$BENCH1X_TAG
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default

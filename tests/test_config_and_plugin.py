@@ -69,9 +69,10 @@ def test_d_stream_priority_is_default_or_high():
         AInferPDConfig.from_dict({"d_stream_priority": "urgent"})
 
 
-def test_p_stream_marks_is_segment_or_layer():
+def test_p_stream_marks_is_segment_layer_or_sublayer():
     assert AInferPDConfig.from_dict(None).p_stream_marks == "segment"
     assert AInferPDConfig.from_dict({"p_stream_marks": "layer"}).p_stream_marks == "layer"
+    assert AInferPDConfig.from_dict({"p_stream_marks": "sublayer"}).p_stream_marks == "sublayer"
     with pytest.raises(ConfigError, match=r"ainfer_pd.p_stream_marks='kernel' is not one of "
                                           r"segment, layer"):
         AInferPDConfig.from_dict({"p_stream_marks": "kernel"})

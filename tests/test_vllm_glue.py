@@ -127,3 +127,29 @@ def test_a_symbol_of_one_vllm_release_is_checked_on_that_release_only(monkeypatc
     monkeypatch.setattr(glue, "all_patches", lambda: [gone])
     with pytest.raises(GlueShapeError, match="no_such_field"):
         check_vllm_shapes("0.25.0")
+
+
+def test_the_attention_wrapper_calls_the_p_threads_callbacks_around_attention_only_there():
+    import threading
+
+    from vllm_ainfer_pd.vllm_glue import attention
+
+    calls: list[str] = []
+    wrapped = attention._stop_before(lambda x: calls.append(f"attention {x}") or x, boundary=3)
+    assert attention._stop_before(wrapped, boundary=3) is wrapped  # wrapped once per layer
+
+    def p_thread() -> None:
+        attention.stop_calling_thread_at(lambda b: calls.append(f"reach {b}"),
+                                         lambda: calls.append("after"))
+        try:
+            assert wrapped(7) == 7
+        finally:
+            attention.stop_calling_thread_at(None)
+
+    t = threading.Thread(target=p_thread)
+    t.start()
+    t.join()
+    assert calls == ["reach 3", "attention 7", "after"]
+    calls.clear()
+    assert wrapped(8) == 8  # another thread (D's): the attention call alone
+    assert calls == ["attention 8"]

@@ -16,7 +16,7 @@ SEGMENT_POLICIES = ("fixed", "load", "work")
 RENDEZVOUS = ("auto", "shm", "gloo")
 P_HOSTS = ("auto", "concurrent", "handoff")
 D_STREAM_PRIORITIES = ("default", "high")
-P_STREAM_MARKS = ("segment", "layer")
+P_STREAM_MARKS = ("segment", "layer", "sublayer")
 
 
 CONFIG_KEY = "ainfer_pd"  # the plugin's key in vLLM's additional_config
@@ -74,7 +74,8 @@ class AInferPDConfig:
     d_stream_priority: str = "default"
     # GPU only: how P's kernels are issued on P's stream. `segment`: a released segment's layers
     # back to back. `layer`: a timing event recorded on P's stream after every layer (at each
-    # attention boundary). On an H200 that event pattern decides how much D's kernels run between
+    # attention boundary). `sublayer`: also one after each layer's attention, before its MLP or
+    # MoE. On an H200 that event pattern decides how much D's kernels run between
     # P's (benchmarks/RESULTS.md measures both in the lane).
     p_stream_marks: str = "segment"
     # Phase-owned DeepEP (docs/deepep.md): the SMs P's normal-mode dispatch and combine kernels

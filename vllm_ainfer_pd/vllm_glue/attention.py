@@ -6,8 +6,9 @@ between layers, with no collective in flight. `install_boundaries` wraps the cal
 into each layer of the target model (the impl's `forward`; for MLA layers the layer's
 `forward_impl`, since MLA's op calls the impl's `forward_mha` / `forward_mqa` and never its
 `forward`): on a thread that called `stop_calling_thread_at(reach)`, layer i's attention first
-calls `reach(i + 1)` (boundary 0 is the forward's entry, which the caller publishes); on any
-other thread (D's) the wrapper costs one thread-local lookup.
+calls `reach(i + 1)` (boundary 0 is the forward's entry, which the caller publishes), and
+`after_attention()` once the attention call returns, where the caller asked for it; on any
+other thread (D's) the wrapper costs two thread-local lookups.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ PATCHES = [
 ]
 
 Reach = Callable[[int], None]
-_STOP = threading.local()  # .reach: the calling thread's boundary callback
+_STOP = threading.local()  # .reach, .after: the calling thread's callbacks
 
 
-def stop_calling_thread_at(reach: Reach | None) -> None:
-    """On the calling thread, call `reach(boundary)` before each layer's attention (None: not)."""
+def stop_calling_thread_at(reach: Reach | None,
+                           after_attention: Callable[[], None] | None = None) -> None:
+    """On the calling thread, call `reach(boundary)` before each layer's attention and
+    `after_attention()` after it (None: not)."""
     _STOP.reach = reach
+    _STOP.after = after_attention
 
 
 def install_boundaries(model: Any, vllm_config: Any, log_drafter: bool = False) -> int:
@@ -93,7 +97,11 @@ def _stop_before(attention: Any, boundary: int) -> Any:
         reach = getattr(_STOP, "reach", None)
         if reach is not None:
             reach(boundary)
-        return attention(*args, **kwargs)
+        out = attention(*args, **kwargs)
+        after = getattr(_STOP, "after", None)
+        if after is not None:
+            after()
+        return out
 
     forward._ainfer_pd_boundary = boundary
     return forward

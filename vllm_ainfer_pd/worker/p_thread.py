@@ -40,7 +40,7 @@ class PThread:
     """Runs epochs' forwards for one rank's lane; one epoch at a time, each on a new thread."""
 
     def __init__(self, runner: Any, controller: SegmentController, stats: LaneStats, rank: int,
-                 overlap: OverlapMeter | None = None, mark_layers: bool = False) -> None:
+                 overlap: OverlapMeter | None = None, marks: str = "segment") -> None:
         self.device = runner.device
         self.vllm_config = runner.vllm_config
         self.model = runner.get_model()
@@ -68,8 +68,11 @@ class PThread:
         self.p_workspace = (workspace.WorkspaceManager(self.device)
                             if workspace.is_workspace_manager_initialized() else None)
         self._threads = torch.get_num_threads()
-        # `p_stream_marks="layer"`: a timing event on P's stream after every layer (config.py).
-        self.mark_layers = mark_layers and self.p_stream is not None
+        # `p_stream_marks` (config.py): a timing event on P's stream after every layer
+        # (`layer`), and also after each layer's attention (`sublayer`).
+        gpu = self.p_stream is not None
+        self.mark_layers = gpu and marks in ("layer", "sublayer")
+        self.mark_attention = gpu and marks == "sublayer"
 
     def start(self, epoch: Epoch) -> None:
         """Run `epoch` on a new thread, ordered after all of D's work so far."""
@@ -85,7 +88,8 @@ class PThread:
     def _run(self, epoch: Epoch) -> None:
         torch.set_num_threads(self._threads)
         collectives.route_calling_thread(functools.partial(self.issue_collective, epoch))
-        attention.stop_calling_thread_at(functools.partial(self._boundary, epoch))
+        attention.stop_calling_thread_at(functools.partial(self._boundary, epoch),
+                                         self._mark if self.mark_attention else None)
         phase_state.enter_p(self.p_workspace)  # P's own forward context and workspace
         error: BaseException | None = None
         try:
@@ -136,7 +140,7 @@ class PThread:
         if boundary <= epoch.replay_from:
             return
         if self.mark_layers:
-            torch.cuda.Event(enable_timing=True).record(self.p_stream)
+            self._mark()
         if self.faults is not None and epoch.error is None:
             self.faults.at_boundary(self.rank, epoch.id, boundary)
         epoch.reached = boundary
@@ -149,6 +153,10 @@ class PThread:
             self.stats.p_permit_wait_s += self._mark_resumed(epoch) - now
             if self.overlap is not None:
                 self.overlap.start("p")
+
+    def _mark(self) -> None:
+        """A timing event on P's stream: the kernels issued before it form one group."""
+        torch.cuda.Event(enable_timing=True).record(self.p_stream)
 
     @staticmethod
     def _mark_resumed(epoch: Epoch) -> float:
