@@ -168,12 +168,14 @@ def main() -> None:
         args.model = str(ensure_model("tiny", 0))
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     cfg = CompareConfig(model=args.model, out=args.out, platform=args.platform)
-    results = {pattern: measure(cfg, pattern, args, vocab)
-               for pattern in args.patterns.split(",")}
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "contention.json").write_text(json.dumps(
-        {"settings": settings, "results": results}, indent=1) + "\n")
+    results = {}
+    for pattern in args.patterns.split(","):
+        results[pattern] = measure(cfg, pattern, args, vocab)
+        # Written after each pattern: a run stopped at its time limit keeps the ones it measured.
+        (args.out / "contention.json").write_text(json.dumps(
+            {"settings": settings, "results": results}, indent=1) + "\n")
     lines = [f"# D and P beside each other in the lane ({args.platform})", "",
              f"`{' '.join(sys.argv)}`; median over {args.reps} repetitions per pattern "
              "(`contention.json` has each).", "",
