@@ -395,7 +395,7 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
     residency) CUDA_VISIBLE_DEVICES=0 timeout -k 5 $T python3 benchmarks/residency_stall.py \
                  --out $OUT/residency_stall.json > /tmp/gpu-logs/residency.log 2>&1
                echo "== residency: rc=$?"; tail -12 /tmp/gpu-logs/residency.log ;;
-    contention1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/lane_contention.py \
+    contention1) CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 60 $T python3 benchmarks/lane_contention.py \
                --platform gpu --model .gpu/gpu-model --patterns ${CONTENTION_PATTERNS:-segment,layer} \
                --out $OUT/contention1 > /tmp/gpu-logs/contention1.log 2>&1
              echo "== contention1: rc=$?" ;;

@@ -10,7 +10,10 @@ One `vllm serve` (the `ainfer_pd` backend, P lane on) per pattern, each through 
 
 - **D alone**: `--decoders` clients, each sending short fresh prompts (inline: below
   `p_lane_min_tokens`) that decode `--decode-tokens` tokens, one after another; D's rate is
-  generated tokens per second (`vllm:generation_tokens_total`);
+  generated tokens per second (`vllm:generation_tokens_total`). `--decode-context N` puts one
+  shared N-token prefix before every decoder's prompt: cached after its first request, so the
+  prompts stay inline, while every decode row attends over N more tokens (a rollout's decoders
+  read long contexts);
 - **both**: the decoders, and `--p-clients` clients each sending fresh `--p-tokens`-token prompts
   (through the lane) with `max_tokens=1`, one after another; both rates;
 - **P alone**: the prompt clients only; P's rate is lane tokens per second
@@ -52,11 +55,12 @@ class Clients:
     stopped; a failed request stops the run (the window's rates would mean nothing)."""
 
     def __init__(self, url: str, model: str, n: int, length: int, max_tokens: int, seed: int,
-                 vocab: int) -> None:
+                 vocab: int, prefix: list[int] | None = None) -> None:
         from openai import OpenAI
 
         self.client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0)
         self.model, self.length, self.max_tokens, self.vocab = model, length, max_tokens, vocab
+        self.prefix = prefix or []
         self.stopping = threading.Event()
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._run, args=(seed * 1000 + i,), daemon=True)
@@ -67,7 +71,7 @@ class Clients:
     def _run(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stopping.is_set():
-            prompt = [rng.randrange(3, self.vocab) for _ in range(self.length)]
+            prompt = self.prefix + [rng.randrange(3, self.vocab) for _ in range(self.length)]
             try:
                 self.client.completions.create(model=self.model, prompt=prompt,
                                                max_tokens=self.max_tokens, temperature=0.0,
@@ -103,11 +107,17 @@ def measure(cfg: CompareConfig, pattern: str, args: argparse.Namespace, vocab: i
     flags = cfg.common_args() + ["--distributed-executor-backend", "ainfer_pd",
                                  "--additional-config", json.dumps({"ainfer_pd": lane})]
     print(f"[contention] {pattern}: starting the server", file=sys.stderr, flush=True)
+    prefix = [random.Random(7).randrange(3, vocab) for _ in range(args.decode_context)]
     with VllmServer(cfg.model, flags, cfg.env(), name=f"contention-{pattern}") as srv:
+        if prefix:  # prefill the shared prefix once, so the decoders' prompts find it cached
+            from openai import OpenAI
+
+            OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=600).completions.create(
+                model=cfg.model, prompt=prefix, max_tokens=1)
         def clients(kind: str, seed: int) -> Clients:
             if kind == "d":
                 return Clients(srv.url, cfg.model, args.decoders, 16, args.decode_tokens, seed,
-                               vocab)
+                               vocab, prefix)
             return Clients(srv.url, cfg.model, args.p_clients, args.p_tokens, 1, seed, vocab)
 
         result = {}
@@ -146,6 +156,8 @@ def main() -> None:
     p.add_argument("--patterns", default="segment,layer", help="p_stream_marks values")
     p.add_argument("--decoders", type=int, default=None, help="default: 64 GPU, 8 CPU")
     p.add_argument("--decode-tokens", type=int, default=None, help="default: 512 GPU, 64 CPU")
+    p.add_argument("--decode-context", type=int, default=0,
+                   help="a shared, cached prefix of this many tokens before each decoder's prompt")
     p.add_argument("--p-clients", type=int, default=4)
     p.add_argument("--p-tokens", type=int, default=None, help="default: 4,096 GPU, 512 CPU")
     p.add_argument("--p-lane-min-tokens", type=int, default=256)
@@ -162,6 +174,8 @@ def main() -> None:
     if args.p_tokens < args.p_lane_min_tokens or 16 >= args.p_lane_min_tokens:
         p.error(f"--p-tokens={args.p_tokens} must reach --p-lane-min-tokens="
                 f"{args.p_lane_min_tokens}, and the decoders' 16-token prompts must not")
+    if args.decode_context < 0:
+        p.error(f"--decode-context={args.decode_context} must be >= 0")
     if args.model is None:
         from vllm_ainfer_pd.models import ensure_model
 

@@ -5,9 +5,9 @@ and the paper's own setting. Every number here is a projection, labelled so.
 Each row runs every engine on the traces of `SEEDS` (the generator's seed) and reports the
 median over them with the range; vLLM's prefill cadence is swept over `CADENCES` and its best N
 taken per seed. `pd` is the lane's defaults; `pd_gate` the lane with the epoch gate as
-`benchmarks/gpu_run.sh`'s `pd_gate` runs it (`GATE`), and `pd_gate_c0.5` the same with half of
-P's overlapped device time charged to D (the profile's fitted `contention` is 1.0: D pays all of
-it), a sensitivity.
+`benchmarks/gpu_run.sh`'s `pd_gate` runs it (`GATE`), and `pd_gate_lane_c` the same with the
+`contention` the lane measured (`lane_contention`) in place of the profile's, fitted to the TP=1
+rollouts (1.0: D pays all of P's device time it overlaps).
 
 A DeepSeek-V3-sized profile is derived from the measured `gpu-mla` profile by FLOP and byte
 scaling: DeepSeek-V3's shape (61 layers, 3 dense, 256 routed experts top-8 with one shared,
@@ -21,8 +21,10 @@ layer as measured on `gpu-mla`. Its weights (~671 GB in FP8) fit in 141 GB H200s
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,11 @@ SEEDS = (0, 1, 2)
 LABEL = "projected"
 # The epoch gate at DP > 1, with every uncached prompt through the lane (gpu_run.sh's pd_gate).
 GATE = (("epoch_gate_fill", 0.8), ("epoch_gate_rounds", 96), ("p_lane_min_tokens", 2))
-VARIANTS = ("pd", "pd_lane_all", "pd_gate", "pd_gate_c0.5")
+VARIANTS = ("pd", "pd_lane_all", "pd_gate", "pd_gate_lane_c")
+# D and P beside each other in the real lane, relative to each alone (benchmarks/lane_contention.py,
+# the shipped `p_stream_marks`, the `gpu` preset on one H100).
+LANE_CONTENTION = (Path(__file__).resolve().parents[1]
+                   / "results/gpu/lane_contention_h100/segment.json")
 
 DEEPSEEK_V3 = ModelShape(
     name="deepseek-v3", hidden=7168, layers=61, heads=128, vocab=129280, experts=256, top_k=8,
@@ -86,6 +92,18 @@ def _metrics(summary: dict[str, Any]) -> dict[str, float]:
             "tpot_p50_s": summary["tpot_s"]["p50"], "requests_per_s": summary["requests_per_s"]}
 
 
+@functools.cache
+def lane_contention(path: Path = LANE_CONTENTION, pattern: str = "segment") -> float:
+    """The model's `contention` that charges D what the lane measurement saw. Beside P, D ran at
+    `d` of its rate alone and P at `p` of its own, so D paid (1 - d) / p of each second of P's
+    device time; the model charges (1 - e) + contention x e, with `e` the share of P's device
+    time D overlapped (the same run's CUDA events). Median over the repetitions."""
+    reps = [r["rates"] for r in json.loads(path.read_text())["results"][pattern]["reps"]]
+    return max(0.0, statistics.median(
+        ((1 - r["d_beside"]) / r["p_beside"] - (1 - r["p_device_overlapped"]))
+        / r["p_device_overlapped"] for r in reps))
+
+
 def engine_specs(dp: int, cadences: tuple[int, ...] = CADENCES) -> dict[str, EngineSpec]:
     specs = {"stock": EngineSpec("stock"), "normal": EngineSpec("normal"),
              "pd": EngineSpec("pd"),
@@ -93,7 +111,7 @@ def engine_specs(dp: int, cadences: tuple[int, ...] = CADENCES) -> dict[str, Eng
              # at DP > 1 an inline prefill still stretches every rank's step.
              "pd_lane_all": EngineSpec("pd", lane=(("p_lane_min_tokens", 2),)),
              "pd_gate": EngineSpec("pd", lane=GATE),
-             "pd_gate_c0.5": EngineSpec("pd", lane=(*GATE, ("contention", 0.5)))}
+             "pd_gate_lane_c": EngineSpec("pd", lane=(*GATE, ("contention", lane_contention())))}
     specs.update({f"cadence{n}": EngineSpec("cadence", cadence=n) for n in cadences if dp > 1})
     return specs
 
@@ -241,7 +259,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "| pd / stock: makespan, p99 TTFT, TPOT p50 | pd / best cadence: makespan "
             "| pd_gate / stock: makespan, p99 TTFT, TPOT p50 "
             "| pd_gate / best cadence: makespan [range] | pd_gate / best cadence: p99 TTFT "
-            "| pd_gate at contention 0.5 / best cadence: makespan |")
+            f"| pd_gate at the lane's contention ({lane_contention():.2f}) / best cadence: "
+            "makespan, p99 TTFT |")
     lines = [f"All numbers {LABEL}: medians over trace seeds {', '.join(map(str, seeds))} "
              f"(range in brackets); cadence N = {', '.join(map(str, CADENCES))}.", "", head,
              "|" + "---|" * 11]
@@ -261,7 +280,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{q['pd_gate/stock']['makespan_s']:.3f}, {q['pd_gate/stock']['ttft_p99_s']:.2f}, "
             f"{q['pd_gate/stock']['tpot_p50_s']:.2f} | **{g:.3f}** [{lo:.3f}, {hi:.3f}] | "
             f"{q['pd_gate/best_cadence']['ttft_p99_s']:.2f} | "
-            f"{q['pd_gate_c0.5/best_cadence']['makespan_s']:.3f} |")
+            f"{q['pd_gate_lane_c/best_cadence']['makespan_s']:.3f}, "
+            f"{q['pd_gate_lane_c/best_cadence']['ttft_p99_s']:.2f} |")
     lines += ["", "The lane in the model (medians over seeds): epochs, P tokens per epoch, and "
               "rank utilisation (an epoch's tokens over ranks x its fullest rank's tokens):", "",
               "| preset | DP | pd: epochs, tokens / epoch, utilisation "
