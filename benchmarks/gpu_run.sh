@@ -109,7 +109,9 @@
 #              output bench1eagle_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
 #   contention1 D's and P's rates beside each other in the lane, relative to each alone, for
 #              p_stream_marks $CONTENTION_PATTERNS (default segment,layer; sublayer in a second
-#              call: a pattern takes ~4 min): benchmarks/lane_contention.py on the gpu preset (64 decoders, 4 clients of 4,096-token prompts), output contention1/
+#              call: a pattern takes ~4 min; more flags in $CONTENTION_ARGS, e.g. --decode-context
+#              8192 for decoders that attend over long contexts): benchmarks/lane_contention.py
+#              on the gpu preset (64 decoders, 4 clients of 4,096-token prompts), output contention1/
 #   bench1xmla the same on the gpu-mla preset (MLA, DeepSeek-V3's layout; carry .gpu/gpu-mla),
 #              backends $BENCH1X_ONLY (default stock,pd); output bench1xmla_$BENCH1X_TAG
 # tp2/dp2 run in $DT (default bfloat16). Every job has a wall-clock limit ($JOB_TIMEOUT_S, default
@@ -397,6 +399,7 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
                echo "== residency: rc=$?"; tail -12 /tmp/gpu-logs/residency.log ;;
     contention1) CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 60 $T python3 benchmarks/lane_contention.py \
                --platform gpu --model .gpu/gpu-model --patterns ${CONTENTION_PATTERNS:-segment,layer} \
+               ${CONTENTION_ARGS:-} \
                --out $OUT/contention1 > /tmp/gpu-logs/contention1.log 2>&1
              echo "== contention1: rc=$?" ;;
     decode1) CUDA_VISIBLE_DEVICES=0 timeout -k 60 $T python3 benchmarks/decode_overhead.py --gpu \

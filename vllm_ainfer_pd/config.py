@@ -75,8 +75,8 @@ class AInferPDConfig:
     # GPU only: how P's kernels are issued on P's stream. `segment`: a released segment's layers
     # back to back. `layer`: a timing event recorded on P's stream after every layer (at each
     # attention boundary). `sublayer`: also one after each layer's attention, before its MLP or
-    # MoE. On an H200 that event pattern decides how much D's kernels run between
-    # P's (benchmarks/RESULTS.md measures both in the lane).
+    # MoE. In the lane on an H100 the three ran D and P together equally fast (~1.5x their rates
+    # apart, benchmarks/RESULTS.md), so the default records nothing.
     p_stream_marks: str = "segment"
     # Phase-owned DeepEP (docs/deepep.md): the SMs P's normal-mode dispatch and combine kernels
     # take (DeepEP runs one channel per two SMs, so it must be even). Low, so that D's
