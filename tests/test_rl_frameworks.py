@@ -567,14 +567,15 @@ def test_serve_dp2_pause_wait_drains_a_p_epoch_longer_than_vllms_dp_wave_check(d
     with VllmServer(deep_model, serve_args(CPU_ENGINE_ARGS) + args,
                     {**cpu_env(2), **SERVER_ENV}, name="ours-dp2-deep-pause") as srv:
         try:
-            # 0.1 s before each boundary: the epoch spans ~5 s, and the pause lands early in it.
-            assert faults.inject_over_http(srv.url, slow_boundary_s=0.1) == [{"rank": 0}]
+            # 0.4 s before each boundary: the epoch spans ~20 s, so the pause lands inside it even
+            # on a loaded machine, where a pause has taken over 10 s to reach the engines.
+            assert faults.inject_over_http(srv.url, slow_boundary_s=0.4) == [{"rank": 0}]
             request = Streamed(srv.url, deep_model, prompt, 4, 0)
             deadline = time.monotonic() + 120
             while not ((status := rank0_lane(srv.url))["epochs"] and status["inflight"]):
                 assert time.monotonic() < deadline, f"no P epoch open after 120 s: {status}"
                 time.sleep(0.05)
-            at_pause = admin(srv.url, "/pause", timeout_s=60, mode="wait", clear_cache="true")
+            at_pause = admin(srv.url, "/pause", timeout_s=90, mode="wait", clear_cache="true")
             after = rank0_lane(srv.url)
             print("lane at the pause:", status, "after:", after)
             assert at_pause == {"status": "paused"}, at_pause
