@@ -8,7 +8,7 @@ into each layer of the target model (the impl's `forward`; for MLA layers the la
 `forward`): on a thread that called `stop_calling_thread_at(reach)`, layer i's attention first
 calls `reach(i + 1)` (boundary 0 is the forward's entry, which the caller publishes), and
 `after_attention()` once the attention call returns, where the caller asked for it; on any
-other thread (D's) the wrapper costs two thread-local lookups.
+other thread (D's) the wrapper costs one thread-local lookup.
 """
 
 from __future__ import annotations
@@ -38,15 +38,14 @@ PATCHES = [
 ]
 
 Reach = Callable[[int], None]
-_STOP = threading.local()  # .reach, .after: the calling thread's callbacks
+_STOP = threading.local()  # .hooks: the calling thread's (reach, after_attention), or None
 
 
 def stop_calling_thread_at(reach: Reach | None,
                            after_attention: Callable[[], None] | None = None) -> None:
     """On the calling thread, call `reach(boundary)` before each layer's attention and
     `after_attention()` after it (None: not)."""
-    _STOP.reach = reach
-    _STOP.after = after_attention
+    _STOP.hooks = None if reach is None else (reach, after_attention)
 
 
 def install_boundaries(model: Any, vllm_config: Any, log_drafter: bool = False) -> int:
@@ -94,11 +93,12 @@ def _stop_before(attention: Any, boundary: int) -> Any:
 
     @functools.wraps(attention)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        reach = getattr(_STOP, "reach", None)
-        if reach is not None:
-            reach(boundary)
+        hooks = getattr(_STOP, "hooks", None)
+        if hooks is None:
+            return attention(*args, **kwargs)
+        reach, after = hooks
+        reach(boundary)
         out = attention(*args, **kwargs)
-        after = getattr(_STOP, "after", None)
         if after is not None:
             after()
         return out
