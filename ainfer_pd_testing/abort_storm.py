@@ -287,7 +287,7 @@ def run_storm(
         report.free_blocks_before = pool.get_num_free_blocks()
         log(f"[storm] engine up: {report.num_gpu_blocks} KV blocks "
             f"({report.free_blocks_before} free), block size {scheduler.block_size}, "
-            f"lane min tokens {lane.config.p_lane_min_tokens}, max P in flight "
+            f"lane min tokens {lane.lane_min_tokens}, max P in flight "
             f"{lane.config.max_p_inflight}")
 
         def add(turn: _Turn) -> None:

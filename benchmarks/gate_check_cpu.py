@@ -8,11 +8,12 @@ the model replaying the same trace with the CPU profile.
 Two servers one after another (`rollout compare`, client waits x 1; the trace: the `cpu`
 preset's trajectories for trace seeds 0 .. N-1 together, so that an epoch more or less is a few
 percent of the count, not one in eight as with one seed's 16 trajectories): the lane
-taking every prompt (`p_lane_min_tokens=2`), and the same with the gate as `gpu_run.sh`'s
-`pd_gate` sets it. Counters are per replay (settled: every rank's report in), summed over
-ranks; epochs run in lockstep, so a rank's epoch count is the sum over DP. Rank utilisation is
-all ranks' epoch tokens over DP x the fullest rank's (`vllm_ainfer_pd_epoch_all_rank_tokens` /
-(DP x `..._epoch_max_rank_tokens`)). Writes `gate_check.md` / `.json` beside the rollout report.
+taking every prompt (`p_lane_min_tokens=2`) with the gate off, and the same with the gate as
+the lane's defaults set it at DP > 1 (`epoch_gate_fill=0.8`, `epoch_gate_rounds=96`). Counters
+are per replay (settled: every rank's report in), summed over ranks; epochs run in lockstep,
+so a rank's epoch count is the sum over DP. Rank utilisation is all ranks' epoch tokens over
+DP x the fullest rank's (`vllm_ainfer_pd_epoch_all_rank_tokens` / (DP x
+`..._epoch_max_rank_tokens`)). Writes `gate_check.md` / `.json` beside the rollout report.
 Not a speed result: on 2 shared cores P cannot overlap D.
 """
 
@@ -35,7 +36,9 @@ from vllm_ainfer_pd.rollout.generator import generate  # noqa: E402
 from vllm_ainfer_pd.rollout.trace import Trace, dump_trace, load_trace  # noqa: E402
 
 DP = 2
-LANE_ALL = {"p_lane_min_tokens": 2}
+# Both name every setting they compare, so that a change of the lane's defaults does not change
+# what they ran: every prompt through the lane, the gate off, then as the defaults set it.
+LANE_ALL = {"p_lane_min_tokens": 2, "epoch_gate_fill": 0.0}
 GATE = {**LANE_ALL, "epoch_gate_fill": 0.8, "epoch_gate_rounds": 96}
 BACKENDS = {"pd_all": LANE_ALL, "pd_gate": GATE}
 PREFIX = "vllm_ainfer_pd_"

@@ -92,9 +92,13 @@
 #   bench4     4 GPUs: TP=2 x DP=2 + EP rollout, stock, normal, pd one after another
 #   bench2     TP=2 rollout: stock, normal, pd one after another (carry .gpu/gpu-model)
 #   bench2dp   DP=2 + EP rollout (2 GPUs), backends $BENCH2DP_ONLY (default stock,normal) of
-#              stock, normal, pd, pd_genq, pd_whole, pd_work, pd_gate (the epoch gate on) and stock with vLLM's prefill cadence
-#              (stock_c4, stock_c8, stock_c16, stock_c32: --prefill-schedule-interval N); output
-#              bench2dp_$BENCH2DP_TAG (default a)
+#              stock, normal, pd, pd_genq, pd_whole, pd_work, pd_gate (the epoch gate as the scale
+#              model's pd_gate), pd_nogate (the gate off) and stock with vLLM's prefill cadence
+#              (stock_c4 ... stock_c128: --prefill-schedule-interval N); output
+#              bench2dp_$BENCH2DP_TAG (default a). The gate on and off against the cadences the
+#              scale model finds best at DP=2 (N=16, N=128), one call each (a call runs 10 min):
+#              WAIT_SCALE=0.1 BENCH2DP_TAG=g1 BENCH2DP_ONLY=stock,pd,pd_nogate bash benchmarks/gpu_run.sh bench2dp
+#              WAIT_SCALE=0.1 BENCH2DP_TAG=g2 BENCH2DP_ONLY=stock,stock_c16,stock_c128 bash benchmarks/gpu_run.sh bench2dp
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
@@ -188,6 +192,9 @@ V_PD_WHOLE='pd_whole={"ainfer_pd": {"segment_policy": "fixed", "segment_span": 6
 V_PD_LAYER='pd_layer={"ainfer_pd": {"p_stream_marks": "layer", "overlap_timing": true}}'
 # The epoch gate at DP > 1 (epoch_gate_fill / epoch_gate_rounds; every prompt through the lane).
 V_PD_GATE='pd_gate={"ainfer_pd": {"epoch_gate_fill": 0.8, "epoch_gate_rounds": 96, "p_lane_min_tokens": 2, "overlap_timing": true}}'
+# The defaults before the epoch gate (it opened a DP round's epoch as soon as any rank had lane
+# work). At DP = 1 the gate is not used, so there it runs what `pd` runs.
+V_PD_NOGATE='pd_nogate={"ainfer_pd": {"epoch_gate_fill": 0.0, "overlap_timing": true}}'
 V_GCOMP='pd_gcomp={"ainfer_pd": {"ordering": "global-complete", "overlap_timing": true}}'
 # No ordering at one rank (ordering="free"): P runs each epoch through, D never waits for it;
 # with a timing event after every layer too.
@@ -380,7 +387,8 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
     bench1x) compare bench1x_${BENCH1X_TAG:-a} 0 --variant "$V_NORMAL" --variant "$V_PD" \
                --variant "$V_GENQ" --variant "$V_PD_WHOLE" --variant "$V_PD_HANDOFF" \
                --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
-               --variant "$V_PD_DHIGH" --variant "$V_PD_LAYER" --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+               --variant "$V_PD_DHIGH" --variant "$V_PD_LAYER" --variant "$V_PD_NOGATE" \
+               --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
     bench1marks) compare bench1marks_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_LAYER" \
                    --reps ${BENCH1X_REPS:-3} --only ${BENCH1X_ONLY:-stock,pd,pd_layer} ;;
     bench1free) compare bench1free_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_FREE" \
@@ -434,10 +442,13 @@ for i in range(64):
               --variant "$V_NORMAL" --variant "$V_PD" --only ${BENCH4_ONLY:-stock,normal,pd} ;;
     bench2dp) compare bench2dp_${BENCH2DP_TAG:-a} 0,1 --dp 2 --enable-expert-parallel \
                 --variant "$V_NORMAL" --variant "$V_PD" --variant "$V_GENQ" --variant "$V_PD_WHOLE" \
-                --variant "$V_PD_WORK" --variant "$V_PD_GATE" --backend stock_c4='--prefill-schedule-interval 4' \
+                --variant "$V_PD_WORK" --variant "$V_PD_GATE" --variant "$V_PD_NOGATE" \
+                --backend stock_c4='--prefill-schedule-interval 4' \
                 --backend stock_c8='--prefill-schedule-interval 8' \
                 --backend stock_c16='--prefill-schedule-interval 16' \
                 --backend stock_c32='--prefill-schedule-interval 32' \
+                --backend stock_c64='--prefill-schedule-interval 64' \
+                --backend stock_c128='--prefill-schedule-interval 128' \
                 --only ${BENCH2DP_ONLY:-stock,normal} ;;
     bench2) compare bench2 0,1 --tp 2 "$TP2_COMPILE" --variant "$V_NORMAL" --variant "$V_PD" \
               --only stock,normal,pd ;;

@@ -38,6 +38,8 @@ def options_table(text: str) -> dict[str, tuple[str, str]]:
 
 
 def written(default: object) -> str:
+    if default is None:  # unset: chosen by layout, which the meaning cell says
+        return "unset"
     if isinstance(default, bool):
         return str(default).lower()
     if isinstance(default, float) and default.is_integer():

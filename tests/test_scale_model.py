@@ -36,7 +36,7 @@ def unit_profile() -> Profile:
                 "client_overhead_per_token_s": 0.0, "normal_step_overhead": 0.0,
                 "cudagraph_capture_size": 0},
         lane={"p_host_per_interval_s": 0.5, "p_host_per_segment_s": 0.0, "d_host_slack_s": 0.0,
-              "overlap": 0.0, "contention": 0.0, "p_lane_min_tokens": 64,
+              "overlap": 0.0, "contention": 0.0, "p_lane_min_tokens": 64, "epoch_gate_fill": 0.0,
               "segment_policy": "fixed", "segment_span": 1,
               "rendezvous_s": {"1": 0.0, "2": 0.0}},
         fixed_costs=Costs(t0=1.0, s_per_byte=0.0, s_per_flop=0.0))
@@ -179,20 +179,38 @@ def test_every_run_listed_for_validation_has_its_report_and_profile():
 
 
 def test_the_models_epoch_gate_is_the_products_rule():
-    """The model opens P epochs with the product's EpochGate (DP > 1): fewer, fuller epochs at
-    DP=2, and at DP=1, where the product does not use the gate, nothing changes."""
+    """The model opens P epochs with the product's EpochGate and defaults (on at DP > 1): fewer,
+    fuller epochs at DP=2 than with the gate off, and at DP=1, where the product does not use
+    the gate, nothing changes."""
     from benchmarks.scale.project import replicate
     from vllm_ainfer_pd.rollout.generator import generate
 
     prof = load_profile(SCALE / "profile_gpu.json")
-    gate = (("epoch_gate_fill", 0.8), ("epoch_gate_rounds", 96))
+    no_gate = (("epoch_gate_fill", 0.0),)
     work = replicate(generate("gpu-quick", 0), 2)
-    off = simulate(work, prof, Layout(dp=2, ep=True), EngineSpec("pd"), 0.1).counters
-    on = simulate(work, prof, Layout(dp=2, ep=True), EngineSpec("pd", lane=gate), 0.1).counters
+    off = simulate(work, prof, Layout(dp=2, ep=True), EngineSpec("pd", lane=no_gate), 0.1).counters
+    on = simulate(work, prof, Layout(dp=2, ep=True), EngineSpec("pd"), 0.1).counters
     assert off["gate_waits"] == 0 < on["gate_waits"]
     assert on["epochs"] < off["epochs"]
     assert (on["lane_tokens"] / on["epoch_rank_tokens"]
             > off["lane_tokens"] / off["epoch_rank_tokens"])
     one = generate("gpu-quick", 0)
-    assert (simulate(one, prof, Layout(), EngineSpec("pd", lane=gate), 0.1).counters
+    assert (simulate(one, prof, Layout(), EngineSpec("pd", lane=no_gate), 0.1).counters
             == simulate(one, prof, Layout(), EngineSpec("pd"), 0.1).counters)
+
+
+def test_the_models_lane_threshold_is_the_products_by_layout():
+    """Unset, the lane's threshold is the product's for the layout: 512 uncached tokens at DP=1,
+    every prompt at DP > 1; a threshold set in the engine's lane wins."""
+    from benchmarks.scale.sim import Simulator
+    from vllm_ainfer_pd.rollout.generator import generate
+
+    prof = load_profile(SCALE / "profile_gpu.json")
+    trace = generate("gpu-quick", 0)
+    assert prof.lane["p_lane_min_tokens"] is None
+    for layout, spec, expected in ((Layout(), EngineSpec("pd"), 512),
+                                   (Layout(dp=2, ep=True), EngineSpec("pd"), 2),
+                                   (Layout(dp=2, ep=True),
+                                    EngineSpec("pd", lane=(("p_lane_min_tokens", 64),)), 64)):
+        sim = Simulator(trace, prof, layout, spec, 0.1)
+        assert sim.lane["p_lane_min_tokens"] == expected, (layout, spec)

@@ -36,8 +36,9 @@ class AInferPDConfig:
 
     mode: str = "pd"
     # The P lane (docs/planner.md): prompts with at least this many uncached tokens are prefilled in
-    # the background into reserved KV blocks; shorter ones run inline in the step's batch.
-    p_lane_min_tokens: int = 512
+    # the background into reserved KV blocks; shorter ones run inline in the step's batch. Unset:
+    # by layout (`lane_min_tokens`).
+    p_lane_min_tokens: int | None = None
     # Cap on background prefills in flight; async loads do not count against max_num_seqs. 16, not
     # 4: with 4, a burst of long prompts (a rollout's first turns) is admitted 4 at a time, behind
     # each promotion, and its prefill finished ~20% later than stock's on 1 x H200; with 16 its
@@ -84,19 +85,20 @@ class AInferPDConfig:
     # against the device's SM count when the worker builds the buffers.
     p_deepep_sms: int = 24
     # The epoch gate at DP > 1 (docs/turnstile.md, the round plan): P epochs run in lockstep over
-    # the DP ranks, so a round opens one only once the lane tokens queued over all ranks fill
-    # `epoch_gate_fill` of (DP size x max_num_batched_tokens), or the oldest has waited
-    # `epoch_gate_rounds` D iterations, or no rank has decode rows. 0 opens at once (no gate):
-    # the default until a DP rollout measures the gate (the scale model projects 0.75-0.9 with
-    # a 64-128 round deadline; on the CPU at DP=2 with one rank idle it only delayed P, since an
-    # idle rank caps the fill at one half). Not used at DP = 1.
-    epoch_gate_fill: float = 0.0
-    epoch_gate_rounds: int = 64
+    # the DP ranks, so a round opens one only once the lane tokens queued over the ranks in play
+    # (those with lane work or decode rows) fill `epoch_gate_fill` of (their count x
+    # max_num_batched_tokens), or the oldest has waited `epoch_gate_rounds` D iterations, or no
+    # rank has decode rows. 0 opens at once (no gate). 0.8 / 96: the scale model's choice over
+    # fills 0.5-0.9 and deadlines 32-128 (within 2.5% of the best at DP 2-8 and at DeepSeek-V3
+    # size, projected), and the setting checked against the model on the CPU at DP=2 + EP
+    # (benchmarks/RESULTS.md). Not used at DP = 1.
+    epoch_gate_fill: float = 0.8
+    epoch_gate_rounds: int = 96
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"ainfer_pd.mode={self.mode!r} is not one of {', '.join(MODES)}")
-        if self.p_lane_min_tokens < 2:
+        if self.p_lane_min_tokens is not None and self.p_lane_min_tokens < 2:
             # The lane computes num_tokens - 1 tokens; fewer than 2 would leave nothing to do.
             raise ConfigError(
                 f"ainfer_pd.p_lane_min_tokens={self.p_lane_min_tokens!r} must be >= 2"
@@ -134,6 +136,17 @@ class AInferPDConfig:
             raise ConfigError(f"ainfer_pd.p_deepep_sms={self.p_deepep_sms!r} must be a positive "
                               f"even number (DeepEP runs one channel per two SMs)")
 
+    def lane_min_tokens(self, dp_size: int) -> int:
+        """The lane's threshold in uncached tokens: `p_lane_min_tokens` where set, else by
+        layout. At DP = 1, 512: a shorter prompt rides in D's step and delays only its own
+        replica, less than a lane epoch would delay its first token. At DP > 1, every prompt (2,
+        the least the lane computes): an inline prefill stretches the step of every DP rank,
+        which is what the lane removes, and with the epoch gate the scale model projects 2-4%
+        shorter rollouts than at 512 (docs/scale-model.md, projected)."""
+        if self.p_lane_min_tokens is not None:
+            return self.p_lane_min_tokens
+        return 512 if dp_size == 1 else 2
+
     @property
     def p_lane_enabled(self) -> bool:
         """`mode="normal"` has no P lane at all."""
@@ -150,7 +163,10 @@ class AInferPDConfig:
                 f"known options: {', '.join(known)}"
             )
         for name, value in raw.items():
-            expected = type(known[name].default)
+            default = known[name].default
+            if value is None and default is None:
+                continue  # an option that is unset by default may be unset explicitly
+            expected = int if default is None else type(default)  # `int | None` fields
             if expected is float and type(value) is int:
                 value = raw[name] = float(value)
             if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):

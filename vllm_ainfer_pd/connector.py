@@ -83,10 +83,11 @@ class AInferPDConnector(KVConnectorBase_V1):
 
     Policy, asked once per step for each fresh prompt after vLLM has committed the step's D rows:
     - inline (`(0, False)`): the lane is off (`mode="normal"`), the prompt has fewer than
-      `p_lane_min_tokens` uncached tokens, its P already failed in the lane (it recomputes
-      inline, so a broken worker cannot loop a request forever), it needs what only D's own
-      forward gives (`needs_inline_prefill`), or it is longer than an attention window whose
-      earlier blocks vLLM does not keep (`window_prompt_limit`);
+      the lane's threshold of uncached tokens (`AInferPDConfig.lane_min_tokens`), its P
+      already failed in the lane (it recomputes inline, so a broken worker cannot loop a
+      request forever), it needs what only D's own forward gives (`needs_inline_prefill`),
+      or it is longer than an attention window whose earlier blocks vLLM does not keep
+      (`window_prompt_limit`);
     - wait (`(None, False)`, asked again next step; later prompts may still go): another
       prompt's P is writing this prompt's next uncached block (`_prefix_being_written`), the
       lane is full (`max_p_inflight` jobs, P pressure), or reserving the prompt's blocks would
@@ -103,6 +104,8 @@ class AInferPDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = AInferPDConfig.from_dict(extra.get(CONFIG_KEY))
+        self.lane_min_tokens = self.config.lane_min_tokens(
+            vllm_config.parallel_config.data_parallel_size)
         self.inflight: dict[str, PJob] = {}  # req id -> its job in flight (one at most)
         self.lifetimes: dict[str, int] = {}  # req id -> lifetime of its next job
         self.failed: set[str] = set()  # req ids whose P failed: they recompute inline
@@ -137,7 +140,7 @@ class AInferPDConnector(KVConnectorBase_V1):
         if (
             not self.config.p_lane_enabled
             or request.request_id in self.failed
-            or uncached < self.config.p_lane_min_tokens
+            or uncached < self.lane_min_tokens
             or needs_inline_prefill(request)
             or (self.max_lane_prompt is not None and request.num_tokens > self.max_lane_prompt)
         ):

@@ -15,6 +15,7 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from benchmarks.scale.engines import EngineSpec
 from benchmarks.scale.profile import load_profile
 from benchmarks.scale.sim import simulate
 from benchmarks.scale.validate import RESULTS
+from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.rollout.generator import generate
 from vllm_ainfer_pd.rollout.trace import TraceError, load_trace
 
@@ -87,8 +89,9 @@ def cmd_run(args: argparse.Namespace) -> None:
         q = row["ratios"]
         print(f"[project] {row['preset']} DP={row['dp']}: pd / stock makespan "
               f"{q['pd/stock']['makespan_s']:.3f}, pd / best cadence "
-              f"{q['pd/best_cadence']['makespan_s']:.3f}, pd_gate / best cadence "
-              f"{q['pd_gate/best_cadence']['makespan_s']:.3f} ({project.LABEL})", file=sys.stderr)
+              f"{q['pd/best_cadence']['makespan_s']:.3f}, pd_nogate / best cadence "
+              f"{q['pd_nogate/best_cadence']['makespan_s']:.3f} ({project.LABEL})",
+              file=sys.stderr)
 
     seeds = tuple(int(x) for x in args.seeds.split(",") if x)
     rows = project.project({k: profs[k] for k in presets}, args.trace_preset, args.wait_scale,
@@ -100,7 +103,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.out:
         meta = {"trace_preset": args.trace_preset, "wait_scale": args.wait_scale,
                 "presets": presets, "dp": list(dps), "seeds": list(seeds),
-                "cadences": list(project.CADENCES), "gate": dict(project.GATE)}
+                "cadences": list(project.CADENCES), "pd_nogate": dict(project.NO_GATE),
+                "pd": {k: v for k, v in dataclasses.asdict(AInferPDConfig()).items()
+                       if k in ("p_lane_min_tokens", "epoch_gate_fill", "epoch_gate_rounds")}}
         print("written: " + ", ".join(map(str, project.write(rows, paper, args.out, meta))))
 
 

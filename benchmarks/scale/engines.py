@@ -12,8 +12,9 @@
 - `normal`: stock's schedule (the same engine with P/D multiplexing off), each step
   `normal_step_overhead` longer.
 - `pd`: stock's schedule for D, except that a prompt with at least `p_lane_min_tokens` uncached
-  tokens is parked in the lane while fewer than `max_p_inflight` jobs are in flight (else it waits,
-  and later prompts may go), and a promoted lane job runs its last prompt token as a D row.
+  tokens (resolved for the layout as the product does, `Simulator`) is parked in the lane while
+  fewer than `max_p_inflight` jobs are in flight (else it waits, and later prompts may go), and
+  a promoted lane job runs its last prompt token as a D row.
 """
 
 from __future__ import annotations

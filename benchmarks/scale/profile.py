@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.scale.shape import Batch, ModelShape, Work, batch_work
+from vllm_ainfer_pd.config import AInferPDConfig
+
+_PRODUCT = AInferPDConfig()
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "max_num_batched_tokens": 8192, "max_num_seqs": 1024, "block_size": 16,
@@ -47,10 +50,12 @@ LANE_DEFAULTS: dict[str, Any] = {
     "overlap": 0.0, "contention": 0.0, "async_hide": 0.0, "p_host_per_interval_s": 0.0,
     "p_host_per_segment_s": 0.0, "d_host_slack_s": 0.0, "handoff": False,
     "rendezvous_s": {"1": 0.0, "2": 1.0e-5, "4": 1.3e-5, "8": 3.1e-5, "16": 6.0e-4},
-    "p_lane_min_tokens": 512, "max_p_inflight": 16, "segment_policy": "load",
-    "segment_span": 1, "ordering": "fine",
-    # The epoch gate (config.py's epoch_gate_fill / epoch_gate_rounds; DP > 1 only): 0 = off.
-    "epoch_gate_fill": 0.0, "epoch_gate_rounds": 64,
+    # The product's own defaults (config.py): the lane's threshold (unset: by layout, config's
+    # `lane_min_tokens`), prompts in flight, the segment policy, the ordering, the epoch gate
+    # (DP > 1 only; fill 0 = off).
+    **{name: getattr(_PRODUCT, name) for name in (
+        "p_lane_min_tokens", "max_p_inflight", "segment_policy", "segment_span", "ordering",
+        "epoch_gate_fill", "epoch_gate_rounds")},
 }
 HARDWARE_DEFAULTS: dict[str, Any] = {
     "name": "", "peak_tflops": 0.0, "hbm_tbps": 0.0, "link_gbps": 360.0, "hop_latency_us": 2.0,

@@ -4,8 +4,9 @@ and the paper's own setting. Every number here is a projection, labelled so.
 
 Each row runs every engine on the traces of `SEEDS` (the generator's seed) and reports the
 median over them with the range; vLLM's prefill cadence is swept over `CADENCES` and its best N
-taken per seed. `pd` is the lane's defaults; `pd_gate` the lane with the epoch gate as
-`benchmarks/gpu_run.sh`'s `pd_gate` runs it (`GATE`), and `pd_gate_lane_c` the same with the
+taken per seed. `pd` is the lane's defaults (at DP > 1 the epoch gate on, every prompt through
+the lane); `pd_nogate` the defaults before the gate (`NO_GATE`: it opened an epoch as soon as any
+rank had lane work, prompts under 512 uncached tokens inline); `pd_lane_c` the defaults with the
 `contention` the lane measured (`lane_contention`) in place of the profile's, fitted to the TP=1
 rollouts (1.0: D pays all of P's device time it overlaps).
 
@@ -41,9 +42,9 @@ DPS = (1, 2, 4, 8, 16)
 CADENCES = (2, 4, 8, 16, 32, 64, 128, 256)
 SEEDS = (0, 1, 2)
 LABEL = "projected"
-# The epoch gate at DP > 1, with every uncached prompt through the lane (gpu_run.sh's pd_gate).
-GATE = (("epoch_gate_fill", 0.8), ("epoch_gate_rounds", 96), ("p_lane_min_tokens", 2))
-VARIANTS = ("pd", "pd_lane_all", "pd_gate", "pd_gate_lane_c")
+# The lane's defaults before the epoch gate (gpu_run.sh's pd_nogate, with the threshold it had).
+NO_GATE = (("epoch_gate_fill", 0.0), ("p_lane_min_tokens", 512))
+VARIANTS = ("pd", "pd_nogate", "pd_lane_c")
 # D and P beside each other in the real lane, relative to each alone (benchmarks/lane_contention.py,
 # the shipped `p_stream_marks`, the `gpu` preset on one H100).
 LANE_CONTENTION = (Path(__file__).resolve().parents[1]
@@ -106,12 +107,8 @@ def lane_contention(path: Path = LANE_CONTENTION, pattern: str = "segment") -> f
 
 def engine_specs(dp: int, cadences: tuple[int, ...] = CADENCES) -> dict[str, EngineSpec]:
     specs = {"stock": EngineSpec("stock"), "normal": EngineSpec("normal"),
-             "pd": EngineSpec("pd"),
-             # Every uncached prompt through the lane (the smallest threshold the option takes):
-             # at DP > 1 an inline prefill still stretches every rank's step.
-             "pd_lane_all": EngineSpec("pd", lane=(("p_lane_min_tokens", 2),)),
-             "pd_gate": EngineSpec("pd", lane=GATE),
-             "pd_gate_lane_c": EngineSpec("pd", lane=(*GATE, ("contention", lane_contention())))}
+             "pd": EngineSpec("pd"), "pd_nogate": EngineSpec("pd", lane=NO_GATE),
+             "pd_lane_c": EngineSpec("pd", lane=(("contention", lane_contention()),))}
     specs.update({f"cadence{n}": EngineSpec("cadence", cadence=n) for n in cadences if dp > 1})
     return specs
 
@@ -256,10 +253,10 @@ def project_paper(gpu: Profile, dp: int = 8) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     seeds = next((r["seeds"] for r in rows if "seeds" in r), [])
     head = ("| preset | DP (=EP) | trace | stock makespan (s) | best cadence, per seed "
-            "| pd / stock: makespan, p99 TTFT, TPOT p50 | pd / best cadence: makespan "
-            "| pd_gate / stock: makespan, p99 TTFT, TPOT p50 "
-            "| pd_gate / best cadence: makespan [range] | pd_gate / best cadence: p99 TTFT "
-            f"| pd_gate at the lane's contention ({lane_contention():.2f}) / best cadence: "
+            "| pd_nogate / best cadence: makespan "
+            "| pd / stock: makespan, p99 TTFT, TPOT p50 "
+            "| pd / best cadence: makespan [range] | pd / best cadence: p99 TTFT "
+            f"| pd at the lane's contention ({lane_contention():.2f}) / best cadence: "
             "makespan, p99 TTFT |")
     lines = [f"All numbers {LABEL}: medians over trace seeds {', '.join(map(str, seeds))} "
              f"(range in brackets); cadence N = {', '.join(map(str, CADENCES))}.", "", head,
@@ -270,27 +267,26 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         e, q, rg = r["engines"], r["ratios"], r["ranges"]
         best = ", ".join(c.replace("cadence", "N=") for c in r["best_cadence"])
-        g = q["pd_gate/best_cadence"]["makespan_s"]
-        lo, hi = rg["pd_gate/best_cadence"]["makespan_s"]
+        g = q["pd/best_cadence"]["makespan_s"]
+        lo, hi = rg["pd/best_cadence"]["makespan_s"]
         lines.append(
             f"| {r['preset']} | {r['dp']} | {r['trace']} | {e['stock']['makespan_s']:.1f} | "
             f"{best} ({r['best_cadence_makespan_s']:.1f} s) | "
+            f"{q['pd_nogate/best_cadence']['makespan_s']:.3f} | "
             f"{q['pd/stock']['makespan_s']:.3f}, {q['pd/stock']['ttft_p99_s']:.2f}, "
-            f"{q['pd/stock']['tpot_p50_s']:.2f} | {q['pd/best_cadence']['makespan_s']:.3f} | "
-            f"{q['pd_gate/stock']['makespan_s']:.3f}, {q['pd_gate/stock']['ttft_p99_s']:.2f}, "
-            f"{q['pd_gate/stock']['tpot_p50_s']:.2f} | **{g:.3f}** [{lo:.3f}, {hi:.3f}] | "
-            f"{q['pd_gate/best_cadence']['ttft_p99_s']:.2f} | "
-            f"{q['pd_gate_lane_c/best_cadence']['makespan_s']:.3f}, "
-            f"{q['pd_gate_lane_c/best_cadence']['ttft_p99_s']:.2f} |")
+            f"{q['pd/stock']['tpot_p50_s']:.2f} | **{g:.3f}** [{lo:.3f}, {hi:.3f}] | "
+            f"{q['pd/best_cadence']['ttft_p99_s']:.2f} | "
+            f"{q['pd_lane_c/best_cadence']['makespan_s']:.3f}, "
+            f"{q['pd_lane_c/best_cadence']['ttft_p99_s']:.2f} |")
     lines += ["", "The lane in the model (medians over seeds): epochs, P tokens per epoch, and "
               "rank utilisation (an epoch's tokens over ranks x its fullest rank's tokens):", "",
-              "| preset | DP | pd: epochs, tokens / epoch, utilisation "
-              "| pd_gate: epochs, tokens / epoch, utilisation, rounds the gate waited |",
+              "| preset | DP | pd_nogate: epochs, tokens / epoch, utilisation "
+              "| pd: epochs, tokens / epoch, utilisation, rounds the gate waited |",
               "|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
             continue
-        a, b = r["lane"]["pd"], r["lane"]["pd_gate"]
+        a, b = r["lane"]["pd_nogate"], r["lane"]["pd"]
         lines.append(f"| {r['preset']} | {r['dp']} | {a['epochs']:.0f}, "
                      f"{a['p_tokens_per_epoch']:.0f}, {a['rank_utilisation']:.2f} | "
                      f"{b['epochs']:.0f}, {b['p_tokens_per_epoch']:.0f}, "
@@ -323,8 +319,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, key, title in ((axes[0], "pd/best_cadence", "pd / best cadence"),
-                           (axes[1], "pd_gate/best_cadence", "pd_gate / best cadence")):
+    for ax, key, title in ((axes[0], "pd_nogate/best_cadence", "pd, gate off / best cadence"),
+                           (axes[1], "pd/best_cadence", "pd / best cadence")):
         for preset in dict.fromkeys(r["preset"] for r in rows):
             pts = [(r["dp"], r["ratios"][key]["makespan_s"]) for r in rows
                    if r["preset"] == preset and "ratios" in r]

@@ -43,6 +43,7 @@ from benchmarks.scale.costs import CostModel, Layout
 from benchmarks.scale.engines import EngineSpec, RankState, Req, plan_step
 from benchmarks.scale.profile import Profile
 from benchmarks.scale.shape import Batch
+from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.rollout.trace import Trace
 from vllm_ainfer_pd.turnstile.policy import Load, make_policy
 from vllm_ainfer_pd.turnstile.round_plan import EpochGate
@@ -112,6 +113,9 @@ class Simulator:
         self.cost = CostModel(profile, layout)
         self.eng = profile.engine
         self.lane = {**profile.lane, **dict(spec.lane)}
+        # The lane's threshold as the product resolves it for this layout (unset: by DP size).
+        self.lane["p_lane_min_tokens"] = AInferPDConfig(
+            p_lane_min_tokens=self.lane["p_lane_min_tokens"]).lane_min_tokens(layout.dp)
         self.async_ = (profile.engine["async_scheduling"] if spec.async_scheduling is None
                        else spec.async_scheduling)
         self.overhead = float(self.eng["client_overhead_s"])

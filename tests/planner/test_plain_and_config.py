@@ -61,6 +61,8 @@ def test_register_connector_is_idempotent() -> None:
         ({"p_lane_min_tokens": 1}, "ainfer_pd.p_lane_min_tokens=1 must be >= 2"),
         ({"max_p_inflight": 0}, "ainfer_pd.max_p_inflight=0 must be >= 1"),
         ({"max_p_inflight": "4"}, "ainfer_pd.max_p_inflight='4' must be of type int"),
+        ({"p_lane_min_tokens": "512"}, "ainfer_pd.p_lane_min_tokens='512' must be of type int"),
+        ({"p_lane_min_tokens": 64.0}, "ainfer_pd.p_lane_min_tokens=64.0 must be of type int"),
     ],
 )
 def test_bad_lane_option_fails_with_a_message_naming_the_value(
@@ -68,3 +70,16 @@ def test_bad_lane_option_fails_with_a_message_naming_the_value(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         AInferPDConfig.from_dict(raw)
+
+
+def test_the_lane_threshold_is_chosen_by_layout_unless_set() -> None:
+    """Unset (the default, or null in the JSON), the threshold is 512 uncached tokens at DP = 1
+    and every prompt (2) at DP > 1; a value set wins at every DP size. The unset value survives
+    the trip through the KV connector's extra config."""
+    for config in (AInferPDConfig(), AInferPDConfig.from_dict({"p_lane_min_tokens": None})):
+        assert config.p_lane_min_tokens is None
+        assert [config.lane_min_tokens(dp) for dp in (1, 2, 8)] == [512, 2, 2]
+    assert [AInferPDConfig(p_lane_min_tokens=64).lane_min_tokens(dp) for dp in (1, 2)] == [64, 64]
+    raw = kv_transfer_config_for(AInferPDConfig())
+    assert AInferPDConfig.from_dict(raw["kv_connector_extra_config"]["ainfer_pd"]) == \
+        AInferPDConfig()

@@ -117,6 +117,18 @@ def test_gate_opens_when_full_after_the_deadline_or_with_no_decode():
     assert EpochGate(fill=0.0).opens([1, 0], [3, 3], 0, budget)  # no gate
 
 
+def test_gate_fills_over_the_ranks_in_play_only():
+    """An idle rank (no lane work, no decode rows) loses nothing to an epoch: it does not count
+    against the fill, so one busy rank of two opens once it alone fills its budget's share."""
+    gate = EpochGate(fill=0.75, deadline_rounds=64)
+    budget = 100
+    assert gate.opens([80, 0], [3, 0], 1, budget)  # rank 1 idle: 80 of 100
+    assert not gate.opens([70, 0], [3, 0], 1, budget)  # 70 of 100: below 75%
+    assert not gate.opens([80, 0], [3, 3], 1, budget)  # rank 1 decodes: 80 of 200
+    assert not gate.opens([80, 0, 0, 0], [3, 0, 0, 1], 1, budget)  # 80 of 200 (ranks 0, 3)
+    assert gate.opens([80, 80, 0, 0], [0, 3, 0, 0], 1, budget)  # 160 of 200 (ranks 0, 1)
+
+
 @pytest.mark.parametrize("fill, rounds, match", [(1.5, 1, "fill"), (-0.1, 1, "fill"),
                                                 (0.5, -1, "deadline")])
 def test_gate_rejects_bad_settings_by_name(fill, rounds, match):

@@ -289,7 +289,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("records", type=Path, nargs="+",
                    help="records/<backend>-<rep>.jsonl files, or a records.tar.gz of them")
     t.add_argument("--lane-min-tokens", type=int, default=512,
-                   help="the P lane's threshold, ainfer_pd.p_lane_min_tokens (default 512)")
+                   help="the P lane's threshold, ainfer_pd.p_lane_min_tokens (default 512, "
+                        "the lane's own at DP = 1)")
     t.set_defaults(fn=cmd_ttft)
     return p
 

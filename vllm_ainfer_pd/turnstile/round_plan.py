@@ -167,8 +167,12 @@ class EpochGate:
     Epochs run in lockstep across DP ranks (P's MoE collectives span them), so an epoch costs
     every rank the forward of the fullest one: opening as soon as any rank has work runs
     epochs mostly empty. The gate opens once the queued lane tokens over all ranks reach
-    `fill` x (DP size x the step budget), or the oldest queued work has waited `deadline_rounds`
-    rounds, or no rank has decode rows (nothing runs beside P then, waiting buys nothing). The
+    `fill` x (the ranks in play x the step budget), or the oldest queued work has waited
+    `deadline_rounds` rounds, or no rank has decode rows (nothing runs beside P then, waiting
+    buys nothing). A rank is in play when it has lane work queued or decode rows: an idle rank
+    loses nothing to an epoch it runs empty, so it does not count against the fill (else one
+    busy rank of two could never reach a fill above one half, and every prompt would wait for
+    the deadline). The
     lane counts as decode rows its jobs whose requests D runs within a round or two (the open or
     just-ended epoch's, reported and not yet promoted), so an epoch's end alone does not read as
     an idle D and open a near-empty epoch at once.
@@ -197,4 +201,5 @@ class EpochGate:
             return True
         if self.deadline_rounds and waited_rounds >= self.deadline_rounds:
             return True
-        return sum(min(q, budget) for q in queued) >= self.fill * len(queued) * budget
+        in_play = sum(1 for q, d in zip(queued, decoding, strict=True) if q or d)
+        return sum(min(q, budget) for q in queued) >= self.fill * in_play * budget
