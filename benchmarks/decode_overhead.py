@@ -14,8 +14,10 @@ them, or (`--sequential`) one engine is up at a time, in two passes of opposite 
 one GPU (a quarter of its memory each), async scheduling where vLLM turns it on.
 
 `--dp 2`: DP=2 with expert parallelism through `vllm serve` (stock vLLM 0.26 cannot serve DP+EP
-on the CPU, so `pd` is compared with `normal` alone), and `pd_gate`: `pd` with the epoch gate on
-(`epoch_gate_fill=0.8`, `epoch_gate_rounds=96`); vLLM spreads the requests over both ranks.
+on the CPU, so `pd` is compared with `normal` alone): `pd` with the epoch gate off and `pd_gate`
+with it on (`epoch_gate_fill=0.8`, `epoch_gate_rounds=96`, the defaults), both with the lane's
+threshold at 512 tokens so that no prompt takes the lane; vLLM spreads the requests over both
+ranks.
 
 Reports each engine's median wall time per repetition with [min, max] and the ratio to `normal`.
 """
@@ -62,8 +64,14 @@ def main() -> None:
     }
     if args.dp > 1:
         del engines["stock"]
+        # At DP > 1 the lane's defaults take every prompt and open epochs through the gate:
+        # the 512-token threshold keeps the 8-token prompts inline (no lane work), `pd` with
+        # the gate off and `pd_gate` with it on as the defaults set it.
+        decode_only = {"mode": "pd", "p_lane_min_tokens": 512}
+        engines["pd"] = dict(backend="ainfer_pd", additional_config={"ainfer_pd": {
+            **decode_only, "epoch_gate_fill": 0.0}})
         engines["pd_gate"] = dict(backend="ainfer_pd", additional_config={"ainfer_pd": {
-            "mode": "pd", "epoch_gate_fill": 0.8, "epoch_gate_rounds": 96}})
+            **decode_only, "epoch_gate_fill": 0.8, "epoch_gate_rounds": 96}})
     times: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list] = {}
     lanes: dict[str, dict] = {}
