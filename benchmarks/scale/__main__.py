@@ -53,6 +53,12 @@ def parser() -> argparse.ArgumentParser:
                    help="folder of profile_*.json (default: benchmarks/results/scale)")
     r.add_argument("--out", type=Path, default=None, help="write projection.md/.json/.png here")
     r.set_defaults(fn=cmd_run)
+    g = psub.add_parser("gate-sweep", help="the epoch gate's settings against the best cadence "
+                                           "(projected): how its defaults were chosen")
+    g.add_argument("--profiles", type=Path, default=RESULTS / "scale",
+                   help="folder of profile_*.json (default: benchmarks/results/scale)")
+    g.add_argument("--out", type=Path, default=None, help="write gate_sweep.md/.json here")
+    g.set_defaults(fn=cmd_gate_sweep)
     s = psub.add_parser("simulate", help="one modelled replay of a trace")
     s.add_argument("--profile", type=Path, required=True)
     g = s.add_mutually_exclusive_group(required=True)
@@ -107,6 +113,19 @@ def cmd_run(args: argparse.Namespace) -> None:
                 "pd": {k: v for k, v in dataclasses.asdict(AInferPDConfig()).items()
                        if k in ("p_lane_min_tokens", "epoch_gate_fill", "epoch_gate_rounds")}}
         print("written: " + ", ".join(map(str, project.write(rows, paper, args.out, meta))))
+
+
+def cmd_gate_sweep(args: argparse.Namespace) -> None:
+    rows = project.gate_sweep(project.default_profiles(args.profiles))
+    text = project.gate_sweep_markdown(rows)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gate_sweep.json").write_text(json.dumps(
+            {"label": project.LABEL, "seeds": list(project.SEEDS), "rows": rows}, indent=1) + "\n")
+        (args.out / "gate_sweep.md").write_text("# Scale model: the epoch gate's settings\n\n"
+                                                 + text)
+        print(f"written: {args.out / 'gate_sweep.md'}, {args.out / 'gate_sweep.json'}")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:

@@ -205,6 +205,70 @@ def default_profiles(scale_dir: Path) -> dict[str, Profile]:
     return {"gpu": gpu, "gpu-mla": mla, "deepseek-v3": dsv3}
 
 
+# -- the epoch gate's defaults ---------------------------------------------------------------
+
+GATE_FILLS = (0.5, 0.65, 0.8, 0.9)
+GATE_ROUNDS = (32, 64, 96, 128)
+GATE_THRESHOLDS = (512, 2)
+GATE_ROWS = (("gpu", 2), ("gpu", 4), ("gpu", 8), ("deepseek-v3", 8))
+
+
+def gate_sweep(profiles: dict[str, Profile], seeds: tuple[int, ...] = SEEDS,
+               rows: tuple[tuple[str, int], ...] = GATE_ROWS,
+               wait_scale: float = 0.1) -> list[dict[str, Any]]:
+    """The gate's fill x deadline x the lane's threshold, each against the best cadence and stock
+    on the traces of `seeds` (medians): how the defaults were chosen. Same loads as `project`."""
+    out = []
+    for name, dp in rows:
+        prof, layout = profiles[name], Layout(dp=dp, ep=True)
+        per_setting: dict[tuple, list[dict[str, float]]] = {}
+        for seed in seeds:
+            work = (replicate(generate("paper", seed), max(1, dp // 8)) if name == "deepseek-v3"
+                    else replicate(generate("gpu-quick", seed), dp))
+            stock = simulate(work, prof, layout, EngineSpec("stock"), wait_scale).summary
+            best = min([stock["makespan_s"]] + [
+                simulate(work, prof, layout, EngineSpec("cadence", cadence=n),
+                         wait_scale).summary["makespan_s"] for n in CADENCES])
+            for fill in GATE_FILLS:
+                for rounds in GATE_ROUNDS:
+                    for threshold in GATE_THRESHOLDS:
+                        lane = (("epoch_gate_fill", fill), ("epoch_gate_rounds", rounds),
+                                ("p_lane_min_tokens", threshold))
+                        sm = simulate(work, prof, layout, EngineSpec("pd", lane=lane),
+                                      wait_scale).summary
+                        per_setting.setdefault((fill, rounds, threshold), []).append({
+                            "makespan/best_cadence": sm["makespan_s"] / best,
+                            "ttft_p50/stock": sm["ttft_s"]["p50"] / stock["ttft_s"]["p50"],
+                            "ttft_p99/stock": sm["ttft_s"]["p99"] / stock["ttft_s"]["p99"]})
+        for (fill, rounds, threshold), vals in per_setting.items():
+            out.append({"preset": name, "dp": dp, "label": LABEL, "epoch_gate_fill": fill,
+                        "epoch_gate_rounds": rounds, "p_lane_min_tokens": threshold,
+                        **{k: _median([v[k] for v in vals]) for k in vals[0]}})
+    return out
+
+
+def gate_sweep_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [f"All numbers {LABEL}: medians over trace seeds {', '.join(map(str, SEEDS))}; per "
+             "row, settings best first. The defaults (fill 0.8, 96 rounds, every prompt "
+             "through the lane at DP > 1) are in bold.", ""]
+    for key in dict.fromkeys((r["preset"], r["dp"]) for r in rows):
+        lines += [f"### {key[0]}, DP={key[1]}", "",
+                  "| fill | deadline (rounds) | threshold (tokens) | makespan / best cadence "
+                  "| TTFT p50 / stock | TTFT p99 / stock |", "|---|---|---|---|---|---|"]
+        sel = sorted((r for r in rows if (r["preset"], r["dp"]) == key),
+                     key=lambda r: r["makespan/best_cadence"])
+        for r in sel:
+            cells = [f"{r['epoch_gate_fill']:g}", str(r["epoch_gate_rounds"]),
+                     str(r["p_lane_min_tokens"]), f"{r['makespan/best_cadence']:.3f}",
+                     f"{r['ttft_p50/stock']:.2f}", f"{r['ttft_p99/stock']:.2f}"]
+            if (r["epoch_gate_fill"], r["epoch_gate_rounds"], r["p_lane_min_tokens"]) == \
+                    (0.8, 96, 2):
+                cells = [f"**{c}**" for c in cells]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 # -- the paper's setting ---------------------------------------------------------------------
 
 # Its main campaign: 8 x H20-3E, EP8 / ADP8 (H3, H4: attention TP 1), a 42-layer MoE with hidden
