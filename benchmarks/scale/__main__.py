@@ -15,7 +15,6 @@ status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -110,8 +109,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         meta = {"trace_preset": args.trace_preset, "wait_scale": args.wait_scale,
                 "presets": presets, "dp": list(dps), "seeds": list(seeds),
                 "cadences": list(project.CADENCES), "pd_nogate": dict(project.NO_GATE),
-                "pd": {k: v for k, v in dataclasses.asdict(AInferPDConfig()).items()
-                       if k in ("p_lane_min_tokens", "epoch_gate_fill", "epoch_gate_rounds")}}
+                "pd": {k: getattr(AInferPDConfig(), k)
+                       for k in ("p_lane_min_tokens", "epoch_gate_fill", "epoch_gate_rounds")}}
         print("written: " + ", ".join(map(str, project.write(rows, paper, args.out, meta))))
 
 

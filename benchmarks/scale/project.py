@@ -35,6 +35,7 @@ from benchmarks.scale.engines import EngineSpec
 from benchmarks.scale.profile import Costs, Profile, load_profile
 from benchmarks.scale.shape import ModelShape
 from benchmarks.scale.sim import simulate
+from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.rollout.generator import generate
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory
 
@@ -166,6 +167,17 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
                                                 for r in per_seed])}
 
 
+def load(name: str, dp: int, trace: Trace, paper: Trace,
+         trace_preset: str = "gpu-quick") -> tuple[Trace, str]:
+    """The work `dp` ranks replay for preset `name`, and its label: `trace` once per rank; for
+    the DeepSeek-V3-sized model the paper's trace (128 trajectories) per 8 ranks, 16 per rank,
+    since the `gpu-quick` load (64 per rank) saturates its prefill."""
+    if name == "deepseek-v3":
+        copies = max(1, dp // 8)
+        return replicate(paper, copies), f"paper x {copies}"
+    return replicate(trace, dp), f"{trace_preset} x {dp}"
+
+
 def project(profiles: dict[str, Profile], trace_preset: str = "gpu-quick",
             wait_scale: float = 0.1, dps: tuple[int, ...] = DPS,
             progress: Any = None, seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
@@ -179,15 +191,7 @@ def project(profiles: dict[str, Profile], trace_preset: str = "gpu-quick",
                 continue
             per_seed, label = [], ""
             for seed in seeds:
-                trace, paper = traces[seed]
-                if name == "deepseek-v3":
-                    # The paper's load for a model of this size: its trace (128 trajectories) on
-                    # 8 ranks, 16 per rank; the `gpu-quick` load (64 per rank) saturates its
-                    # prefill.
-                    copies = max(1, dp // 8)
-                    work, label = replicate(paper, copies), f"paper x {copies}"
-                else:
-                    work, label = replicate(trace, dp), f"{trace_preset} x {dp}"
+                work, label = load(name, dp, *traces[seed], trace_preset)
                 per_seed.append({"seed": seed, **project_one(prof, work, dp, wait_scale)})
             row = {"preset": name, "dp": dp, "trace": label, "wait_scale": wait_scale,
                    "label": LABEL, "seeds": list(seeds), **aggregate(per_seed),
@@ -223,8 +227,7 @@ def gate_sweep(profiles: dict[str, Profile], seeds: tuple[int, ...] = SEEDS,
         prof, layout = profiles[name], Layout(dp=dp, ep=True)
         per_setting: dict[tuple, list[dict[str, float]]] = {}
         for seed in seeds:
-            work = (replicate(generate("paper", seed), max(1, dp // 8)) if name == "deepseek-v3"
-                    else replicate(generate("gpu-quick", seed), dp))
+            work, _ = load(name, dp, generate("gpu-quick", seed), generate("paper", seed))
             stock = simulate(work, prof, layout, EngineSpec("stock"), wait_scale).summary
             best = min([stock["makespan_s"]] + [
                 simulate(work, prof, layout, EngineSpec("cadence", cadence=n),
@@ -248,9 +251,11 @@ def gate_sweep(profiles: dict[str, Profile], seeds: tuple[int, ...] = SEEDS,
 
 
 def gate_sweep_markdown(rows: list[dict[str, Any]]) -> str:
+    product = AInferPDConfig()
+    defaults = (product.epoch_gate_fill, product.epoch_gate_rounds, product.lane_min_tokens(2))
     lines = [f"All numbers {LABEL}: medians over trace seeds {', '.join(map(str, SEEDS))}; per "
-             "row, settings best first. The defaults (fill 0.8, 96 rounds, every prompt "
-             "through the lane at DP > 1) are in bold.", ""]
+             "row, settings best first. The lane's defaults at DP > 1 (fill "
+             f"{defaults[0]:g}, {defaults[1]} rounds, threshold {defaults[2]}) are in bold.", ""]
     for key in dict.fromkeys((r["preset"], r["dp"]) for r in rows):
         lines += [f"### {key[0]}, DP={key[1]}", "",
                   "| fill | deadline (rounds) | threshold (tokens) | makespan / best cadence "
@@ -261,8 +266,7 @@ def gate_sweep_markdown(rows: list[dict[str, Any]]) -> str:
             cells = [f"{r['epoch_gate_fill']:g}", str(r["epoch_gate_rounds"]),
                      str(r["p_lane_min_tokens"]), f"{r['makespan/best_cadence']:.3f}",
                      f"{r['ttft_p50/stock']:.2f}", f"{r['ttft_p99/stock']:.2f}"]
-            if (r["epoch_gate_fill"], r["epoch_gate_rounds"], r["p_lane_min_tokens"]) == \
-                    (0.8, 96, 2):
+            if (r["epoch_gate_fill"], r["epoch_gate_rounds"], r["p_lane_min_tokens"]) == defaults:
                 cells = [f"**{c}**" for c in cells]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
