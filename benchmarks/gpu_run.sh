@@ -102,6 +102,11 @@
 #   bench1d    TP=1 rollout, pd_whole (one segment per epoch: the TTFT end of the trade-off)
 #   bench1x    TP=1 rollout, backends $BENCH1X_ONLY (default stock,normal,pd) of all the variants;
 #              output bench1x_$BENCH1X_TAG (default a); pair with WAIT_SCALE=0.1
+#   cached1x   TP=1 rollout, backends $BENCH1X_ONLY (default stock,pd), each repetition followed by
+#              its prompts again on the same server (`compare --cached-replay`: backends
+#              <name>_cached, whose prefill finds its prefixes cached): the makespan no way of
+#              scheduling prefill beside the same decode can beat; output cached1x_$BENCH1X_TAG;
+#              pair with WAIT_SCALE=0.1
 #   bench1marks TP=1 rollout, stock, pd and pd_layer (p_stream_marks="layer": a timing event on
 #              P's stream after every layer), $BENCH1X_REPS repetitions each (default 3); output
 #              bench1marks_$BENCH1X_TAG; pair with WAIT_SCALE=0.1
@@ -389,6 +394,8 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/tiny-swa/config.json
                --variant "$V_PD_WORK" --variant "$V_PD_LANE2K" --variant "$V_PD_IF8" --variant "$V_PD_IF4" \
                --variant "$V_PD_DHIGH" --variant "$V_PD_LAYER" --variant "$V_PD_NOGATE" \
                --only ${BENCH1X_ONLY:-stock,normal,pd} ;;
+    cached1x) compare cached1x_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --cached-replay \
+                --only ${BENCH1X_ONLY:-stock,pd} ;;
     bench1marks) compare bench1marks_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_LAYER" \
                    --reps ${BENCH1X_REPS:-3} --only ${BENCH1X_ONLY:-stock,pd,pd_layer} ;;
     bench1free) compare bench1free_${BENCH1X_TAG:-a} 0 --variant "$V_PD" --variant "$V_PD_FREE" \

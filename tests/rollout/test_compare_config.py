@@ -33,6 +33,8 @@ def test_backends_differ_only_in_their_own_flags():
     ({"reps": 0}, "reps=0 must be >= 1"),
     ({"platform": "tpu"}, "platform='tpu'"),
     ({"schedule": "random"}, "schedule='random'"),
+    ({"cached_replay": True, "extra_backends": (("stock_cached", ("--seed", "1")),)},
+     r"backend names \['stock_cached'\] clash with them"),
 ])
 def test_bad_settings_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -154,8 +154,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
         extra_args=tuple(args.serve_arg), variants=tuple(args.variant),
         extra_backends=tuple(args.backend),
         only=tuple(n for n in args.only.split(",") if n) if args.only else (),
-        concurrency=args.concurrency, timeout_s=args.timeout, progress=not args.no_progress,
-        meta={"trace_source": str(args.trace) if args.trace else
+        concurrency=args.concurrency, timeout_s=args.timeout, cached_replay=args.cached_replay,
+        progress=not args.no_progress, meta={"trace_source": str(args.trace) if args.trace else
               f"preset {args.preset or 'cpu'} seed {args.seed}"})
     print(stats_table(trace), file=sys.stderr)
     rep, paths = compare(cfg, trace)
@@ -277,6 +277,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--only", default=None,
                    help="comma-separated backend names to run, in this order (e.g. one GPU's "
                         "share of a comparison; join the parts with `merge`)")
+    c.add_argument("--cached-replay", action="store_true",
+                   help="after each repetition, replay its prompts again on the same server "
+                        "(backend <name>_cached): prefill then finds its prefixes cached, a "
+                        "bound on what scheduling prefill differently could reach")
     c.set_defaults(fn=cmd_compare)
 
     m = sub.add_parser("merge", help="join the report.json of comparisons run with --only")

@@ -30,6 +30,7 @@ from vllm_ainfer_pd.rollout.server import ServerError, VllmServer
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn, dump_trace
 
 AINFER = ["--distributed-executor-backend", "ainfer_pd"]
+CACHED = "_cached"  # the name suffix of a cached replay's pseudo-backend (CompareConfig)
 WARMUP = Trace((Trajectory("warmup", (Turn(64, 8), Turn(16, 8, 0.0))),))
 
 
@@ -41,7 +42,11 @@ class CompareConfig:
     JSON) pairs run on the ainfer_pd backend. `schedule`: "interleaved" keeps every server up and
     alternates their order per repetition (CPU); "sequential" runs one server at a time (GPU,
     where one server holds the devices' memory). `extra_backends`: (name, flags) pairs, any server
-    (e.g. stock on vLLM's multiprocess executor, to separate executor cost from scheduling)."""
+    (e.g. stock on vLLM's multiprocess executor, to separate executor cost from scheduling).
+    `cached_replay`: after each repetition, replay the same prompts again on the same server and
+    report it as backend `<name>_cached`. Each prompt then finds its prefix in the cache (as far as
+    greedy outputs repeat), so prefill costs next to nothing: its makespan bounds what any way of
+    scheduling prefill beside the same decode could reach."""
 
     model: str
     out: Path
@@ -60,6 +65,7 @@ class CompareConfig:
     only: tuple[str, ...] = ()
     concurrency: int = 256
     timeout_s: float = 600.0
+    cached_replay: bool = False
     progress: bool = True
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +81,9 @@ class CompareConfig:
         names = ["stock", "ainfer_pd"] + [n for n, _ in self.variants + self.extra_backends]
         if len(set(names)) != len(names):
             raise ValueError(f"backend names must be unique, got {names}")
+        if self.cached_replay and (clash := sorted(set(names) & {n + CACHED for n in names})):
+            raise ValueError(f"cached_replay names its replays <backend>{CACHED}; backend names "
+                             f"{clash} clash with them")
         unknown = sorted(set(self.only) - set(names))
         if unknown:
             raise ValueError(f"only={list(self.only)}: no backend named {unknown}; "
@@ -121,11 +130,14 @@ def _log(msg: str) -> None:
 
 
 class _Backend:
-    """One backend's server and results: {"args", "runs", "error"} in `result`."""
+    """One backend's server and results: {"args", "runs", "error"} in `result`, and in `cached`
+    the same for its cached replays (CompareConfig.cached_replay)."""
 
     def __init__(self, cfg: CompareConfig, name: str, args: list[str]):
         self.cfg, self.name = cfg, name
         self.result: dict[str, Any] = {"args": args, "runs": [], "error": None}
+        self.cached: dict[str, Any] = {"args": [*args, "(each repetition's prompts again, cached)"],
+                                       "runs": [], "error": None}
         self.server = VllmServer(cfg.model, cfg.common_args() + args, cfg.env(),
                                  name=f"rollout-{name}")
 
@@ -147,6 +159,14 @@ class _Backend:
                  f"(log: {self.server.log_path})")
 
     def replay(self, trace: Trace, rep: int) -> None:
+        """Repetition `rep`, then (with cached_replay) its prompts again on the warm cache."""
+        self._replay(trace, rep, self.name, self.result)
+        if self.cfg.cached_replay and self.ok:
+            self._replay(trace, rep, self.name + CACHED, self.cached)
+            if self.cached["error"]:  # the server went away: no more repetitions either
+                self.result["error"] = self.cached["error"]
+
+    def _replay(self, trace: Trace, rep: int, name: str, result: dict[str, Any]) -> None:
         cfg = self.cfg
         try:
             before = backend_metrics.scrape(self.server.url)
@@ -154,20 +174,20 @@ class _Backend:
                                              concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                                              id_seed=rep, progress=cfg.progress))
         except ReplayError as e:  # the server went away; its later repetitions are skipped
-            self.result["error"] = str(e)
-            _log(f"{self.name}: {e}")
+            result["error"] = str(e)
+            _log(f"{name}: {e}")
             return
         try:
             after = backend_metrics.after_run(self.server.url, self.cfg.dp)
         except OSError as e:  # a settling request failed: the server went away
-            self.result["error"] = f"reading the counters after repetition {rep}: {e}"
-            _log(f"{self.name}: {self.result['error']}")
+            result["error"] = f"reading the counters after repetition {rep}: {e}"
+            _log(f"{name}: {result['error']}")
             return
         counters = backend_metrics.delta(before, after)
         summary = summarize(res.records)
-        self.result["runs"].append(_run(self.name, rep, res.records, summary, counters))
-        _write_records(cfg.out / "records" / f"{self.name}-{rep}.jsonl", res.records)
-        _log(f"{self.name} rep {rep}: makespan {summary['makespan_s']:.2f} s, "
+        result["runs"].append(_run(name, rep, res.records, summary, counters))
+        _write_records(cfg.out / "records" / f"{name}-{rep}.jsonl", res.records)
+        _log(f"{name} rep {rep}: makespan {summary['makespan_s']:.2f} s, "
              f"{summary['completed']}/{summary['requests']} completed")
 
     def stop(self) -> None:
@@ -242,6 +262,8 @@ def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path
         interrupted = e
         order = "interrupted before the end; the runs that finished"
     backends = {b.name: b.result for b in runners}
+    if cfg.cached_replay:
+        backends |= {b.name + CACHED: b.cached for b in runners}
     meta = {**cfg.meta, "model": cfg.model, "platform": cfg.platform, "reps": cfg.reps,
             "wait_scale": cfg.wait_scale,
             "layout": f"tp={cfg.tp} dp={cfg.dp} ep={'on' if cfg.enable_expert_parallel else 'off'}",
