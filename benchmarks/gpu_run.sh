@@ -119,7 +119,8 @@
 #   contention1 D's and P's rates beside each other in the lane, relative to each alone, for
 #              p_stream_marks $CONTENTION_PATTERNS (default segment,layer; sublayer in a second
 #              call: a pattern takes ~4 min; more flags in $CONTENTION_ARGS, e.g. --decode-context
-#              8192 for decoders that attend over long contexts): benchmarks/lane_contention.py
+#              8192 for decoders that attend over long contexts, --p-sm-count N for P on a green
+#              context of N SMs): benchmarks/lane_contention.py
 #              on the gpu preset (64 decoders, 4 clients of 4,096-token prompts), output contention1/
 #   bench1xmla the same on the gpu-mla preset (MLA, DeepSeek-V3's layout; carry .gpu/gpu-mla),
 #              backends $BENCH1X_ONLY (default stock,pd); output bench1xmla_$BENCH1X_TAG

@@ -1,5 +1,6 @@
 """D's and P's rates beside each other in the real lane, each relative to running alone, for each
-issue pattern of P's kernels (`p_stream_marks`): how much device time running P beside D buys.
+issue pattern of P's kernels (`p_stream_marks`, and `p_sm_count`: P on a green context of that
+many SMs): how much device time running P beside D buys.
 
     python benchmarks/lane_contention.py --platform gpu --model .gpu/gpu-model \
         --out benchmarks/results/gpu/lane_contention
@@ -103,7 +104,7 @@ def window(url: str, seconds: float) -> dict[str, float]:
 
 def measure(cfg: CompareConfig, pattern: str, args: argparse.Namespace, vocab: int) -> dict:
     lane = {"p_stream_marks": pattern, "p_lane_min_tokens": args.p_lane_min_tokens,
-            "overlap_timing": args.platform == "gpu"}
+            "p_sm_count": args.p_sm_count, "overlap_timing": args.platform == "gpu"}
     flags = cfg.common_args() + ["--distributed-executor-backend", "ainfer_pd",
                                  "--additional-config", json.dumps({"ainfer_pd": lane})]
     print(f"[contention] {pattern}: starting the server", file=sys.stderr, flush=True)
@@ -158,6 +159,9 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=None, help="default: 512 GPU, 64 CPU")
     p.add_argument("--decode-context", type=int, default=0,
                    help="a shared, cached prefix of this many tokens before each decoder's prompt")
+    p.add_argument("--p-sm-count", type=int, default=0,
+                   help="p_sm_count for every pattern: P's stream on a green context of this "
+                        "many SMs (0: all SMs); reported as <pattern>@<N>sm")
     p.add_argument("--p-clients", type=int, default=4)
     p.add_argument("--p-tokens", type=int, default=None, help="default: 4,096 GPU, 512 CPU")
     p.add_argument("--p-lane-min-tokens", type=int, default=256)
@@ -186,7 +190,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for pattern in args.patterns.split(","):
-        results[pattern] = measure(cfg, pattern, args, vocab)
+        name = f"{pattern}@{args.p_sm_count}sm" if args.p_sm_count else pattern
+        results[name] = measure(cfg, pattern, args, vocab)
         # Written after each pattern: a run stopped at its time limit keeps the ones it measured.
         (args.out / "contention.json").write_text(json.dumps(
             {"settings": settings, "results": results}, indent=1) + "\n")

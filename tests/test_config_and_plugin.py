@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vllm_ainfer_pd import TESTED_VLLM_VERSIONS
 from vllm_ainfer_pd.config import AInferPDConfig, ConfigError
@@ -67,6 +68,19 @@ def test_d_stream_priority_is_default_or_high():
     with pytest.raises(ConfigError, match=r"ainfer_pd.d_stream_priority='urgent' is not one of "
                                           r"default, high"):
         AInferPDConfig.from_dict({"d_stream_priority": "urgent"})
+
+
+def test_p_sm_count_is_validated_and_refused_off_cuda():
+    from vllm_ainfer_pd.worker.p_thread import p_stream
+
+    assert AInferPDConfig.from_dict(None).p_sm_count == 0
+    assert AInferPDConfig.from_dict({"p_sm_count": 66}).p_sm_count == 66
+    with pytest.raises(ConfigError, match=r"ainfer_pd.p_sm_count=-1 must be >= 0"):
+        AInferPDConfig.from_dict({"p_sm_count": -1})
+    assert p_stream(torch.device("cpu"), 0) == (None, None)
+    with pytest.raises(ConfigError, match=r"ainfer_pd.p_sm_count=8 confines P's CUDA stream "
+                                          r"to SMs; this worker runs on cpu"):
+        p_stream(torch.device("cpu"), 8)
 
 
 def test_p_stream_marks_is_segment_layer_or_sublayer():

@@ -79,6 +79,11 @@ class AInferPDConfig:
     # MoE. In the lane on an H100 the three ran D and P together equally fast (~1.5x their rates
     # apart, benchmarks/RESULTS.md), so the default records nothing.
     p_stream_marks: str = "segment"
+    # GPU only: 0 lets P's kernels take any SM. N > 0 runs P's stream in a CUDA green context
+    # of N SMs (`torch.cuda.GreenContext`), so P never holds more than N SMs and D's kernels
+    # always find the others free. Measured in the lane against the plain stream
+    # (benchmarks/RESULTS.md); not the default.
+    p_sm_count: int = 0
     # Phase-owned DeepEP (docs/deepep.md): the SMs P's normal-mode dispatch and combine kernels
     # take (DeepEP runs one channel per two SMs, so it must be even). Low, so that D's
     # low-latency kernels, launched beside them, still find SMs: 24 of an H200's 132. Checked
@@ -132,6 +137,9 @@ class AInferPDConfig:
         if self.epoch_gate_rounds < 1:
             raise ConfigError(f"ainfer_pd.epoch_gate_rounds={self.epoch_gate_rounds!r} must be "
                               f">= 1 (D iterations the oldest queued lane work may wait)")
+        if self.p_sm_count < 0:
+            raise ConfigError(f"ainfer_pd.p_sm_count={self.p_sm_count!r} must be >= 0 (0: P may "
+                              f"take every SM)")
         if self.p_deepep_sms < 2 or self.p_deepep_sms % 2:
             raise ConfigError(f"ainfer_pd.p_deepep_sms={self.p_deepep_sms!r} must be a positive "
                               f"even number (DeepEP runs one channel per two SMs)")

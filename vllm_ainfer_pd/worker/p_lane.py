@@ -100,7 +100,7 @@ class PLane(LaneRound):
         self.controller = SegmentController(rank=rank, span=config.segment_span,
                                             timeout_s=config.timeout_s)
         self.p_thread = PThread(runner, self.controller, self.stats, rank, self.overlap,
-                                marks=config.p_stream_marks)
+                                marks=config.p_stream_marks, sm_count=config.p_sm_count)
         # P's own expert-parallel state (docs/deepep.md): its collectives stay on P's stream; a
         # failed epoch that used it has every rank rebuild it before the next epoch.
         self.phase_ep = self.p_thread.phase_ep = phase_ep

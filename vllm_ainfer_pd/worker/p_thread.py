@@ -22,6 +22,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker import workspace
 
+from vllm_ainfer_pd.config import ConfigError
 from vllm_ainfer_pd.turnstile import EpochCancelled, SegmentController
 from vllm_ainfer_pd.turnstile.route import StreamRoute
 from vllm_ainfer_pd.vllm_glue import attention, collectives
@@ -36,11 +37,37 @@ if TYPE_CHECKING:
     from vllm_ainfer_pd.deepep.manager import PhaseEP
 
 
+def p_stream(device: torch.device, sm_count: int) -> tuple[Any, Any]:
+    """P's CUDA stream (None on CPU) and, with `sm_count` > 0 (`p_sm_count`), the green context
+    of that many SMs it runs in (kept alive as long as the stream)."""
+    if device.type != "cuda":
+        if sm_count:
+            raise ConfigError(f"ainfer_pd.p_sm_count={sm_count} confines P's CUDA stream to SMs; "
+                              f"this worker runs on {device.type}, leave it at 0")
+        return None, None
+    if not sm_count:
+        return torch.cuda.Stream(device=device), None
+    from torch.cuda import green_contexts
+
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < sm_count < total:
+        raise ConfigError(f"ainfer_pd.p_sm_count={sm_count} must be below the {total} SMs of "
+                          f"{torch.cuda.get_device_name(device)}, leaving D some of its own")
+    if not green_contexts.SUPPORTED:
+        raise ConfigError(f"ainfer_pd.p_sm_count={sm_count} needs CUDA green contexts, which "
+                          f"torch {torch.__version__} was built without")
+    context = green_contexts.GreenContext.create(sm_count, device.index)
+    s = context.Stream()
+    return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index,
+                             device_type=s.device_type), context
+
+
 class PThread:
     """Runs epochs' forwards for one rank's lane; one epoch at a time, each on a new thread."""
 
     def __init__(self, runner: Any, controller: SegmentController, stats: LaneStats, rank: int,
-                 overlap: OverlapMeter | None = None, marks: str = "segment") -> None:
+                 overlap: OverlapMeter | None = None, marks: str = "segment",
+                 sm_count: int = 0) -> None:
         self.device = runner.device
         self.vllm_config = runner.vllm_config
         self.model = runner.get_model()
@@ -61,8 +88,7 @@ class PThread:
         self.route = StreamRoute()
         collectives.install()
         self.builder = PBatchBuilder(runner)
-        self.p_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" \
-            else None
+        self.p_stream, self.green_context = p_stream(self.device, sm_count)
         # P's workspace manager (phase_state), allocated on P's first MoE; None where vLLM has
         # no workspace manager (CPU).
         self.p_workspace = (workspace.WorkspaceManager(self.device)
