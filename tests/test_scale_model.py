@@ -87,6 +87,23 @@ def test_pd_two_ranks_three_requests_matches_hand_computed_makespan():
     assert res.counters["lane_tokens"] == 149
 
 
+@pytest.mark.parametrize("cached, makespan, hits", [
+    # none: turn 0 prefills 100 + 50 tokens (steps 0-1, first token at 2), decodes its 2nd
+    #   token (step 2, ends at 3); turn 1's 252 tokens find the 144 its trajectory left
+    #   (150 + 2 - 1 rounded down to blocks of 16): 108 in steps 3-4, ends at 5.
+    # later: turn 1 finds all but its last partial block (240): 12 tokens in step 3, ends at 4.
+    # all: turn 0 too (144 of 150): 6 tokens in step 0, its 2nd token in step 1; turn 1 in
+    #   step 2, ends at 3.
+    ("none", 5.0, 144), ("later", 4.0, 240), ("all", 3.0, 144 + 240)])
+def test_a_cached_replay_is_a_cold_one_without_the_cached_prefill(cached, makespan, hits):
+    trace = Trace((Trajectory("A", (Turn(150, 2), Turn(100, 1, 0.0))),))
+    res = simulate(trace, unit_profile(), Layout(), EngineSpec("stock"), cached=cached)
+    assert res.summary["makespan_s"] == makespan
+    assert res.counters["cached_tokens"] == hits
+    with pytest.raises(ValueError, match=r"cached='warm' is not one of none, all, later"):
+        simulate(trace, unit_profile(), Layout(), EngineSpec("stock"), cached="warm")
+
+
 def test_cadence_defers_prefill_to_aligned_steps_while_rows_decode():
     # vLLM's --prefill-schedule-interval at DP > 1: off-cadence steps defer every prefill while
     # the rank has a decode row and its last releasing step left nothing waiting.
@@ -156,6 +173,12 @@ def test_cli_simulate_and_project_run(tmp_path, capsys):
     assert "projected" in text and (tmp_path / "projection.json").is_file()
     rows = json.loads((tmp_path / "projection.json").read_text())["rows"]
     assert [r["dp"] for r in rows] == [1, 2] and all(r["label"] == "projected" for r in rows)
+    main(["prefill-bounds", "--out", str(tmp_path)])
+    assert "projected" in capsys.readouterr().out
+    bounds = json.loads((tmp_path / "prefill_bounds.json").read_text())["rows"]
+    for r in bounds:  # caching more prefill never lengthens stock's rollout
+        assert r["label"] == "projected"
+        assert r["stock_cached"]["max"] <= r["stock_later_cached"]["min"] <= 1.0
 
 
 def test_cli_bad_profile_is_one_error_line(tmp_path, capsys):

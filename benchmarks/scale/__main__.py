@@ -4,8 +4,11 @@ line.
     validate [--out DIR]                              every measured run against the model
     run [--presets gpu,gpu-mla,deepseek-v3] [--dp 1,2,4,8,16] [--wait-scale 0.1]
         [--trace-preset gpu-quick] [--seeds 0,1,2] [--no-paper] [--out DIR]
+    gate-sweep [--out DIR]                            the epoch gate's settings
+    prefill-bounds [--out DIR]                        stock with prefill cached, beside pd
     simulate --profile FILE (--trace FILE | --preset NAME) [--engine pd] [--dp 2]
-        [--cadence 8] [--wait-scale 0.1]              one modelled replay, its summary as JSON
+        [--cadence 8] [--wait-scale 0.1] [--cached none|all|later]
+                                                      one modelled replay, its summary as JSON
 
 Profiles and measured runs default to `benchmarks/results/` (`--profiles`, `--results`). Errors
 the user can fix (a bad profile, trace or flag value) print one `error:` line and exit with
@@ -23,7 +26,7 @@ from benchmarks.scale import project, validate
 from benchmarks.scale.costs import Layout
 from benchmarks.scale.engines import EngineSpec
 from benchmarks.scale.profile import load_profile
-from benchmarks.scale.sim import simulate
+from benchmarks.scale.sim import CACHED, simulate
 from benchmarks.scale.validate import RESULTS
 from vllm_ainfer_pd.config import AInferPDConfig
 from vllm_ainfer_pd.rollout.generator import generate
@@ -58,6 +61,13 @@ def parser() -> argparse.ArgumentParser:
                    help="folder of profile_*.json (default: benchmarks/results/scale)")
     g.add_argument("--out", type=Path, default=None, help="write gate_sweep.md/.json here")
     g.set_defaults(fn=cmd_gate_sweep)
+    b = psub.add_parser("prefill-bounds", help="stock with later turns' or every prompt's "
+                        "prefill cached, beside pd, at DP = 1 (projected)")
+    b.add_argument("--profiles", type=Path, default=RESULTS / "scale",
+                   help="folder of profile_gpu.json and profile_gpu_mla.json")
+    b.add_argument("--out", type=Path, default=None,
+                   help="write prefill_bounds.md/.json here")
+    b.set_defaults(fn=cmd_prefill_bounds)
     s = psub.add_parser("simulate", help="one modelled replay of a trace")
     s.add_argument("--profile", type=Path, required=True)
     g = s.add_mutually_exclusive_group(required=True)
@@ -68,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cadence", type=int, default=1)
     s.add_argument("--dp", type=int, default=1)
     s.add_argument("--wait-scale", type=float, default=1.0)
+    s.add_argument("--cached", choices=CACHED, default="none",
+                   help="what the prefix cache holds before the replay: none, all prompts "
+                        "(rollout compare --cached-replay) or every later turn's")
     s.set_defaults(fn=cmd_simulate)
     return p
 
@@ -127,12 +140,26 @@ def cmd_gate_sweep(args: argparse.Namespace) -> None:
         print(f"written: {args.out / 'gate_sweep.md'}, {args.out / 'gate_sweep.json'}")
 
 
+def cmd_prefill_bounds(args: argparse.Namespace) -> None:
+    rows = project.prefill_bounds(project.default_profiles(args.profiles))
+    text = project.prefill_bounds_markdown(rows)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "prefill_bounds.json").write_text(json.dumps(
+            {"label": project.LABEL, "seeds": list(project.SEEDS), "rows": rows}, indent=1) + "\n")
+        (args.out / "prefill_bounds.md").write_text(
+            "# Scale model: what prefill costs a rollout at all\n\n" + text)
+        print(f"written: {args.out / 'prefill_bounds.md'}, {args.out / 'prefill_bounds.json'}")
+
+
 def cmd_simulate(args: argparse.Namespace) -> None:
     trace = load_trace(args.trace) if args.trace else generate(args.preset, args.seed)
     spec = EngineSpec(args.engine, cadence=args.cadence)
     res = simulate(trace, load_profile(args.profile), Layout(dp=args.dp, ep=args.dp > 1), spec,
-                   args.wait_scale)
+                   args.wait_scale, args.cached)
     print(json.dumps({"label": "modelled", "engine": spec.label, "dp": args.dp,
+                      "cached": args.cached,
                       "summary": res.summary, "counters": res.counters}, indent=1))
 
 

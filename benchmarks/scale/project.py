@@ -273,6 +273,60 @@ def gate_sweep_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -- what prefill costs at all ----------------------------------------------------------------
+
+BOUND_ROWS = (("gpu", 1), ("gpu-mla", 1))
+
+
+def prefill_bounds(profiles: dict[str, Profile], seeds: tuple[int, ...] = SEEDS,
+                   rows: tuple[tuple[str, int], ...] = BOUND_ROWS,
+                   wait_scale: float = 0.1) -> list[dict[str, Any]]:
+    """Stock with the prefix cache holding every later turn's prompt (`later`: the first turns'
+    burst costs what it costs, the later turns' prefill next to nothing) and every prompt
+    (`all`: `rollout compare --cached-replay`'s second replay), beside `pd` and `pd` at the
+    lane's measured contention, each over stock cold (makespan medians and ranges over `seeds`):
+    how far any way of running prefill beside the same decode could take the rollout."""
+    out = []
+    for name, dp in rows:
+        prof, layout = profiles[name], Layout(dp=dp, ep=dp > 1)
+        ratios: dict[str, list[float]] = {}
+        for seed in seeds:
+            work, _ = load(name, dp, generate("gpu-quick", seed), generate("paper", seed))
+            runs = {
+                "pd": simulate(work, prof, layout, EngineSpec("pd"), wait_scale),
+                "pd_lane_c": simulate(work, prof, layout, engine_specs(dp)["pd_lane_c"],
+                                      wait_scale),
+                "stock_later_cached": simulate(work, prof, layout, EngineSpec("stock"),
+                                               wait_scale, cached="later"),
+                "stock_cached": simulate(work, prof, layout, EngineSpec("stock"), wait_scale,
+                                         cached="all")}
+            stock = simulate(work, prof, layout, EngineSpec("stock"), wait_scale)
+            for k, r in runs.items():
+                ratios.setdefault(k, []).append(
+                    r.summary["makespan_s"] / stock.summary["makespan_s"])
+            ratios.setdefault("stock_makespan_s", []).append(stock.summary["makespan_s"])
+        out.append({"preset": name, "dp": dp, "label": LABEL,
+                    **{k: {"median": _median(v), "min": min(v), "max": max(v)}
+                       for k, v in ratios.items()}})
+    return out
+
+
+def prefill_bounds_markdown(rows: list[dict[str, Any]]) -> str:
+    cols = (("pd", "`pd`"),
+            ("pd_lane_c", f"`pd` at the lane's contention ({lane_contention():.2f})"),
+            ("stock_later_cached", "stock, later turns cached"),
+            ("stock_cached", "stock, every prompt cached"))
+    lines = [f"All numbers {LABEL}: makespan over stock's cold replay, median [range] over trace "
+             f"seeds {', '.join(map(str, SEEDS))} (`gpu-quick`, waits x 0.1).", "",
+             "| row | stock (s) | " + " | ".join(c for _, c in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [f"{r['preset']} DP={r['dp']}", f"{r['stock_makespan_s']['median']:.2f}"]
+        cells += [f"{r[k]['median']:.3f} [{r[k]['min']:.3f}, {r[k]['max']:.3f}]" for k, _ in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # -- the paper's setting ---------------------------------------------------------------------
 
 # Its main campaign: 8 x H20-3E, EP8 / ADP8 (H3, H4: attention TP 1), a 42-layer MoE with hidden

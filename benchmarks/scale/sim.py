@@ -49,6 +49,10 @@ from vllm_ainfer_pd.turnstile.policy import Load, make_policy
 from vllm_ainfer_pd.turnstile.round_plan import EpochGate
 
 LB_PUBLISH_S = 0.1  # vLLM's coordinator: min_stats_update_interval_ms = 100
+# What the prefix cache holds before a replay: `none` (a cold replay), `all` (every prompt, as in
+# `rollout compare --cached-replay`'s second replay) or `later` (every turn after a trajectory's
+# first: the burst of first turns costs what it costs, later turns' prefill next to nothing).
+CACHED = ("none", "all", "later")
 
 
 def load_spans(boundaries: int) -> tuple[int, ...]:
@@ -104,8 +108,11 @@ class Router:
 
 class Simulator:
     def __init__(self, trace: Trace, profile: Profile, layout: Layout, spec: EngineSpec,
-                 wait_scale: float = 1.0) -> None:
+                 wait_scale: float = 1.0, cached: str = "none") -> None:
+        if cached not in CACHED:
+            raise ValueError(f"cached={cached!r} is not one of {', '.join(CACHED)}")
         self.trace = trace
+        self.cached = cached
         self.profile = profile
         self.layout = layout
         self.spec = spec
@@ -121,6 +128,9 @@ class Simulator:
         self.overhead = float(self.eng["client_overhead_s"])
         self.overhead_per_token = float(self.eng["client_overhead_per_token_s"])
         self.ranks = [RankState(i) for i in range(layout.dp)]
+        if cached == "all":
+            for rank in self.ranks:
+                rank.cache = {t.id: math.inf for t in trace.trajectories}
         self.router = Router(layout.dp)
         self.seq = itertools.count()
         self.releases: list[tuple[float, int, Req]] = []
@@ -162,8 +172,12 @@ class Simulator:
 
     def _finish(self, rank: RankState, req: Req, now: float) -> None:
         req.end = now
-        rank.cache[req.traj] = (req.prompt + req.out - 1) // int(self.eng["block_size"]) * int(
-            self.eng["block_size"])
+        block = int(self.eng["block_size"])
+        rank.cache[req.traj] = max(rank.cache.get(req.traj, 0),
+                                   (req.prompt + req.out - 1) // block * block)
+        if self.cached == "later":  # every rank: the next turn finds its prompt wherever it lands
+            for r in self.ranks:
+                r.cache[req.traj] = math.inf
         rec = self.records[(req.traj, req.turn)]
         first = min(req.first + self.overhead_per_token * req.prompt, now)
         rec.update(first=first, end=now, req=req)
@@ -361,6 +375,7 @@ class Simulator:
 
 
 def simulate(trace: Trace, profile: Profile, layout: Layout, spec: EngineSpec,
-             wait_scale: float = 1.0) -> SimResult:
-    """One replay of `trace` on the modelled engine."""
-    return Simulator(trace, profile, layout, spec, wait_scale).run()
+             wait_scale: float = 1.0, cached: str = "none") -> SimResult:
+    """One replay of `trace` on the modelled engine, the prefix cache holding `cached` (CACHED)
+    before it starts."""
+    return Simulator(trace, profile, layout, spec, wait_scale, cached).run()
