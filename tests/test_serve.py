@@ -193,8 +193,11 @@ def test_serve_dp2_expert_parallel_matches_stock_tp1_with_one_rank_idle(stock, s
 
     stock_runner, stock_out, _ = stock
     # P's host work beside D's step (`p_host="concurrent"`, the GPU default) across DP ranks.
+    # The epoch gate off: on by default at DP > 1, it may hold every epoch of these few small
+    # prompts until no row decodes, leaving no P beside D to check (its own tests are below).
     concurrent = ["--additional-config",
-                  json.dumps({"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent"}})]
+                  json.dumps({"ainfer_pd": {"p_lane_min_tokens": 32, "p_host": "concurrent",
+                                            "epoch_gate_fill": 0.0}})]
     eagle = ["--speculative-config", json.dumps({
         "method": "eagle", "model": str(ensure_model("tiny", eagle=True)),
         "num_speculative_tokens": 3})]
