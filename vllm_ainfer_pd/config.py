@@ -81,8 +81,8 @@ class AInferPDConfig:
     p_stream_marks: str = "segment"
     # GPU only: 0 lets P's kernels take any SM. N > 0 runs P's stream in a CUDA green context
     # of N SMs (`torch.cuda.GreenContext`), so P never holds more than N SMs and D's kernels
-    # always find the others free. Measured in the lane against the plain stream
-    # (benchmarks/RESULTS.md); not the default.
+    # always find the others free. Not yet run on a GPU (`benchmarks/lane_contention.py
+    # --p-sm-count N` measures it against the plain stream); not the default.
     p_sm_count: int = 0
     # Phase-owned DeepEP (docs/deepep.md): the SMs P's normal-mode dispatch and combine kernels
     # take (DeepEP runs one channel per two SMs, so it must be even). Low, so that D's
