@@ -127,30 +127,27 @@ def cmd_run(args: argparse.Namespace) -> None:
         print("written: " + ", ".join(map(str, project.write(rows, paper, args.out, meta))))
 
 
+def _print_and_write(out: Path | None, name: str, title: str, rows: list, text: str) -> None:
+    """A table's markdown on stdout, and with `out` its `<name>.md` and `<name>.json` there."""
+    print(text)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(
+            {"label": project.LABEL, "seeds": list(project.SEEDS), "rows": rows}, indent=1) + "\n")
+        (out / f"{name}.md").write_text(f"# Scale model: {title}\n\n" + text)
+        print(f"written: {out / (name + '.md')}, {out / (name + '.json')}")
+
+
 def cmd_gate_sweep(args: argparse.Namespace) -> None:
     rows = project.gate_sweep(project.default_profiles(args.profiles))
-    text = project.gate_sweep_markdown(rows)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gate_sweep.json").write_text(json.dumps(
-            {"label": project.LABEL, "seeds": list(project.SEEDS), "rows": rows}, indent=1) + "\n")
-        (args.out / "gate_sweep.md").write_text("# Scale model: the epoch gate's settings\n\n"
-                                                 + text)
-        print(f"written: {args.out / 'gate_sweep.md'}, {args.out / 'gate_sweep.json'}")
+    _print_and_write(args.out, "gate_sweep", "the epoch gate's settings", rows,
+                     project.gate_sweep_markdown(rows))
 
 
 def cmd_prefill_bounds(args: argparse.Namespace) -> None:
     rows = project.prefill_bounds(project.default_profiles(args.profiles))
-    text = project.prefill_bounds_markdown(rows)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "prefill_bounds.json").write_text(json.dumps(
-            {"label": project.LABEL, "seeds": list(project.SEEDS), "rows": rows}, indent=1) + "\n")
-        (args.out / "prefill_bounds.md").write_text(
-            "# Scale model: what prefill costs a rollout at all\n\n" + text)
-        print(f"written: {args.out / 'prefill_bounds.md'}, {args.out / 'prefill_bounds.json'}")
+    _print_and_write(args.out, "prefill_bounds", "what prefill costs a rollout at all", rows,
+                     project.prefill_bounds_markdown(rows))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
