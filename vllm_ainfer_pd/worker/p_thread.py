@@ -56,10 +56,9 @@ def p_stream(device: torch.device, sm_count: int) -> tuple[Any, Any]:
     if not green_contexts.SUPPORTED:
         raise ConfigError(f"ainfer_pd.p_sm_count={sm_count} needs CUDA green contexts, which "
                           f"torch {torch.__version__} was built without")
-    context = green_contexts.GreenContext.create(sm_count, device.index)
-    s = context.Stream()
-    return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index,
-                             device_type=s.device_type), context
+    # By keyword: torch 2.11 takes (num_sms, device_id), later releases keywords only.
+    context = green_contexts.GreenContext.create(num_sms=sm_count, device_id=device.index)
+    return context.Stream(), context  # a torch.cuda.ExternalStream bound to the context
 
 
 class PThread:
