@@ -57,7 +57,8 @@ def p_stream(device: torch.device, sm_count: int) -> tuple[Any, Any]:
         raise ConfigError(f"ainfer_pd.p_sm_count={sm_count} needs CUDA green contexts, which "
                           f"torch {torch.__version__} was built without")
     # By keyword: torch 2.11 takes (num_sms, device_id), later releases keywords only.
-    context = green_contexts.GreenContext.create(num_sms=sm_count, device_id=device.index)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    context = green_contexts.GreenContext.create(num_sms=sm_count, device_id=index)
     return context.Stream(), context  # a torch.cuda.ExternalStream bound to the context
 
 
