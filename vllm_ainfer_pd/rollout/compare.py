@@ -30,7 +30,7 @@ from vllm_ainfer_pd.rollout.server import ServerError, VllmServer
 from vllm_ainfer_pd.rollout.trace import Trace, Trajectory, Turn, dump_trace
 
 AINFER = ["--distributed-executor-backend", "ainfer_pd"]
-CACHED = "_cached"  # the name suffix of a cached replay's pseudo-backend (CompareConfig)
+CACHED_SUFFIX = "_cached"  # the name suffix of a cached replay's pseudo-backend (CompareConfig)
 WARMUP = Trace((Trajectory("warmup", (Turn(64, 8), Turn(16, 8, 0.0))),))
 
 
@@ -81,9 +81,10 @@ class CompareConfig:
         names = ["stock", "ainfer_pd"] + [n for n, _ in self.variants + self.extra_backends]
         if len(set(names)) != len(names):
             raise ValueError(f"backend names must be unique, got {names}")
-        if self.cached_replay and (clash := sorted(set(names) & {n + CACHED for n in names})):
-            raise ValueError(f"cached_replay names its replays <backend>{CACHED}; backend names "
-                             f"{clash} clash with them")
+        replays = {n + CACHED_SUFFIX for n in names}
+        if self.cached_replay and (clash := sorted(set(names) & replays)):
+            raise ValueError(f"cached_replay names its replays <backend>{CACHED_SUFFIX}; "
+                             f"backend names {clash} clash with them")
         unknown = sorted(set(self.only) - set(names))
         if unknown:
             raise ValueError(f"only={list(self.only)}: no backend named {unknown}; "
@@ -162,7 +163,7 @@ class _Backend:
         """Repetition `rep`, then (with cached_replay) its prompts again on the warm cache."""
         self._replay(trace, rep, self.name, self.result)
         if self.cfg.cached_replay and self.ok:
-            self._replay(trace, rep, self.name + CACHED, self.cached)
+            self._replay(trace, rep, self.name + CACHED_SUFFIX, self.cached)
             if self.cached["error"]:  # the server went away: no more repetitions either
                 self.result["error"] = self.cached["error"]
 
@@ -263,7 +264,7 @@ def compare(cfg: CompareConfig, trace: Trace) -> tuple[dict[str, Any], list[Path
         order = "interrupted before the end; the runs that finished"
     backends = {b.name: b.result for b in runners}
     if cfg.cached_replay:
-        backends |= {b.name + CACHED: b.cached for b in runners}
+        backends |= {b.name + CACHED_SUFFIX: b.cached for b in runners}
     meta = {**cfg.meta, "model": cfg.model, "platform": cfg.platform, "reps": cfg.reps,
             "wait_scale": cfg.wait_scale,
             "layout": f"tp={cfg.tp} dp={cfg.dp} ep={'on' if cfg.enable_expert_parallel else 'off'}",
